@@ -1,0 +1,1 @@
+"""Engine: schedule -> run -> finish, one step at a time."""

@@ -1,0 +1,179 @@
+"""Engine: owns the model, KV pool, scheduler and runner; `step()` is schedule -> run -> finish."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from noesis.engine.loading import LoadedModel, load_model
+from noesis.engine.outputs import RequestOutput
+from noesis.engine.request import RequestState
+from noesis.engine.scheduler import Scheduler, SchedulerConfig
+from noesis.engine.sequence import FinishReason, Sequence
+from noesis.errors import ConfigError, InvalidRequest, PromptTooLong
+from noesis.kv.allocator import PageAllocator
+from noesis.kv.cache import KVPool, page_bytes
+from noesis.models.rope import RotaryEmbedding
+from noesis.runner.runner import ModelRunner
+from noesis.sampling.params import SamplingParams
+from noesis.tokenizer import IncrementalDetokenizer
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default sized from the device
+    seed: int = 0  # seeds the per-request seeds of requests that bring none
+    revision: str | None = None
+    progress: bool = True
+
+
+class Engine:
+    def __init__(self, model: str, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded: LoadedModel = load_model(
+            model, config.device, config.dtype, config.revision, config.progress
+        )
+        model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.device = self.loaded.device
+        self.max_model_len = _max_model_len(config, model_config.max_position_embeddings)
+        num_pages = self._num_pages()
+        self.kv = KVPool(model_config, num_pages, config.page_size, self.loaded.dtype, self.device)
+        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator
+        )
+        rope = RotaryEmbedding(model_config.rope, model_config.max_position_embeddings,
+                               self.max_model_len, self.device)
+        self.runner = ModelRunner(self.loaded.model, self.kv, rope, self.device)
+        self._requests: dict[str, RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    def _num_pages(self) -> int:
+        cfg = self.config
+        per_page = page_bytes(self.loaded.config, cfg.page_size, self.loaded.dtype)
+        wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.page_size)
+        budget = cfg.kv_cache_memory
+        if budget is None:
+            budget = DEFAULT_CPU_KV_BYTES
+            if self.device.type == "cuda":
+                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.5)
+            budget = min(budget, wanted * per_page)
+        num_pages = budget // per_page
+        if num_pages < 1:
+            raise ConfigError(
+                f"kv_cache_memory={budget} bytes holds no KV page ({per_page} bytes per page)"
+            )
+        return num_pages
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids, text = self._tokenize(prompt)
+        seq = self._make_sequence(token_ids, params, request_id)
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        state = RequestState(seq, text, detok)
+        if params.logprobs is not None:
+            state.logprobs = []
+        self._requests[seq.request_id] = state
+        return seq.request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            token_ids, text = list(prompt), None
+        else:
+            raise InvalidRequest("a prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:10]}")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLong(len(token_ids), self.max_model_len)
+        return token_ids, text
+
+    def _make_sequence(self, token_ids: list[int], params: SamplingParams,
+                       request_id: str | None) -> Sequence:
+        seq_id = next(self._seq_ids)
+        request_id = request_id if request_id is not None else f"req-{seq_id}"
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        limit = self.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, len(token_ids) + params.max_tokens)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.tokenizer.eos_token_ids)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        return Sequence(seq_id, request_id, token_ids, len(token_ids), params, limit, seed,
+                        frozenset(stop_ids))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.finish(state.seq, FinishReason.ABORT)
+        return state.output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns outputs of the requests that advanced or finished."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        sampled = self.runner.run(plan)
+        self.scheduler.update(plan, {sid: tok.token_id for sid, tok in sampled.items()})
+        outputs = []
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.seq_id not in sampled:
+                continue
+            state = self._requests[seq.request_id]
+            if state.logprobs is not None:
+                state.logprobs.append(sampled[seq.seq_id].logprobs)
+            self._detokenize(state)
+            outputs.append(state.output())
+            if seq.finished:
+                del self._requests[seq.request_id]
+        return outputs
+
+    def _detokenize(self, state: RequestState) -> None:
+        seq = state.seq
+        if state.append_text(state.detokenizer.step(seq.token_ids)):
+            self.scheduler.finish(seq, FinishReason.STOP)
+        elif seq.finished:
+            state.append_text(state.detokenizer.flush(seq.token_ids))
+
+
+def _max_model_len(config: EngineConfig, model_max: int) -> int:
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len < 2:
+        raise ConfigError(f"max_model_len must be >= 2, got {config.max_model_len}")
+    return config.max_model_len

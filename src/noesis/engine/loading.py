@@ -1,0 +1,93 @@
+"""Turning a model argument into a loaded model, tokenizer, and resolved device/dtype."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from noesis.errors import CheckpointError, ConfigError
+from noesis.models.config import ModelConfig
+from noesis.models.decoder import DecoderLM
+from noesis.models.registry import model_class
+from noesis.tokenizer import Tokenizer
+from noesis.weights.hub import resolve_model_dir
+from noesis.weights.loader import load_weights
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    config: ModelConfig
+    model: DecoderLM
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {device!r} (use cpu, cuda, cuda:N, mps or auto)") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but PyTorch sees no CUDA device")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device 'mps' requested but MPS is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device):
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ConfigError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(str(config.torch_dtype), torch.bfloat16)
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return ModelConfig.from_hf(raw)
+
+
+def load_model(model: str | Path, device="auto", dtype="auto", revision: str | None = None,
+               progress: bool = True) -> LoadedModel:
+    start = time.perf_counter()
+    model_dir = resolve_model_dir(model, revision)
+    config = read_model_config(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir, config.eos_token_ids)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, config, device)
+    with torch.device("meta"):
+        module = model_class(config)(config)
+    module = module.to(dtype=dtype).to_empty(device=device)
+    load_weights(module, config, model_dir, progress=progress)
+    module.eval()
+    seconds = time.perf_counter() - start
+    return LoadedModel(model_dir, config, module, tokenizer, device, dtype, seconds)

@@ -1,0 +1,170 @@
+"""Scheduler: decides which sequences run this step and how many tokens each. Pure Python.
+
+Policy, in order: running sequences first (decodes and unfinished chunked prefills, oldest first),
+then waiting sequences admitted FIFO while the token budget, the sequence cap and free pages allow.
+When a running sequence needs a page and none is free, the newest running sequence is preempted
+(its pages freed, to be recomputed later). Invariant: the scheduler imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from noesis.engine.sequence import FinishReason, Sequence, SequenceStatus
+from noesis.errors import OutOfKVCache
+from noesis.kv.allocator import PageAllocator
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step; also the prefill chunk size
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens fed this step, starting at seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        pages = self.allocator.pages_for(seq.max_len)
+        if pages > self.allocator.num_pages:
+            raise OutOfKVCache(
+                f"request {seq.request_id} may need {pages} KV pages ({seq.max_len} tokens); the "
+                f"pool has {self.allocator.num_pages}: lower max_tokens or raise the KV cache size"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(plan, budget)
+        if not plan.preempted:
+            self._admit_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_uncomputed, budget)
+            if not self._reserve_or_preempt(seq, num_tokens, plan):
+                break  # seq itself was preempted; everything after it already was
+            plan.scheduled.append(ScheduledSeq(seq, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return budget
+
+    def _reserve_or_preempt(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Give `seq` pages for `num_tokens` more tokens, preempting the newest others if needed."""
+        need = self._pages_missing(seq, num_tokens)
+        while not self.allocator.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = min(seq.num_uncomputed, budget)
+            need = self._pages_missing(seq, num_tokens)
+            if not self.allocator.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.pages.extend(self.allocator.allocate(need))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.scheduled.append(ScheduledSeq(seq, num_tokens))
+            budget -= num_tokens
+
+    def _pages_missing(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, self.allocator.pages_for(seq.num_computed + num_tokens) - len(seq.pages))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+        """Record a finished step: advance progress, append sampled tokens, finish what stops.
+
+        `sampled` maps seq_id -> new token for every scheduled sequence whose `samples` was true.
+        Returns the sequences that finished this step.
+        """
+        finished = []
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            if seq.seq_id not in sampled:
+                continue
+            token = sampled[seq.seq_id]
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    @staticmethod
+    def _stop_reason(seq: Sequence, token: int) -> FinishReason | None:
+        if token in seq.stop_ids:
+            return FinishReason.STOP
+        if len(seq.token_ids) >= seq.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish `seq` now (stop condition, stop string or abort) and free its pages."""
+        if seq.finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,55 @@
+"""Sequence: one request's tokens, KV pages and progress as the scheduler sees them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from noesis.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Prompt plus generated tokens; `num_computed` of them have their KV in `pages`."""
+
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    max_len: int  # prompt + allowed new tokens, never past the context window
+    seed: int
+    stop_ids: frozenset[int] = frozenset()
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,59 @@
+"""The shared pre-norm decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) with Hugging Face names.
+
+Parameters mirror the checkpoints' names except for the fused `qkv_proj` and `gate_up_proj`;
+`weights/mapping.py` declares how checkpoint tensors land in them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from noesis.models.config import ModelConfig
+from noesis.models.layers import Attention, GatedMLP, RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, kv_cache, meta, attention) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), cos, sin, kv_cache, meta, attention
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Token ids [T] -> final hidden states [T, D]; `compute_logits` projects chosen rows."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+
+    def forward(self, input_ids, cos, sin, kv_caches, meta, attention) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)  # [T, D]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta, attention)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.norm(hidden)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()  # [B, V]

@@ -1,0 +1,151 @@
+"""ModelRunner: StepPlan -> ForwardInputs -> forward -> sample -> one copy of the results to the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from noesis.engine.scheduler import ScheduledSeq, StepPlan
+from noesis.engine.sequence import Sequence
+from noesis.kv.cache import KVPool
+from noesis.models.decoder import DecoderLM
+from noesis.models.rope import RotaryEmbedding
+from noesis.runner.attention import TorchPagedAttention
+from noesis.runner.inputs import AttentionMetadata, ForwardInputs, PrefillSpan
+from noesis.sampling.sampler import Penalties, SamplerOutput, SamplingTensors, sample
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None  # top-k plus the sampled token, when asked
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, kv: KVPool, rope: RotaryEmbedding,
+                 device: torch.device, attention=None) -> None:
+        self.model = model
+        self.kv = kv
+        self.rope = rope
+        self.device = device
+        self.attention = attention or TorchPagedAttention()
+        self.vocab_size = model.config.vocab_size
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> dict[int, SampledToken]:
+        """Execute one step; returns seq_id -> sampled token for sequences that sample."""
+        inputs = self.prepare(plan)
+        cos, sin = self.rope.cos_sin(inputs.positions, inputs.rope_lengths)
+        hidden = self.model(inputs.input_ids, cos, sin, self.kv.layers, inputs.attn, self.attention)
+        sampling = [item.seq for item in plan.scheduled if item.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [B, V]
+        out = sample(logits, self.sampling_tensors(sampling))
+        return self._to_host(out, sampling)
+
+    def prepare(self, plan: StepPlan) -> ForwardInputs:
+        token_ids, positions, slots, sample_rows, rope_lengths = [], [], [], [], []
+        prefills: list[PrefillSpan] = []
+        decodes: list[ScheduledSeq] = []
+        decode_rows: list[int] = []
+        page_size = self.kv.page_size
+        for item in plan.scheduled:
+            seq, start, count = item.seq, item.seq.num_computed, item.num_tokens
+            row = len(token_ids)
+            token_ids.extend(seq.token_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            slots.extend(seq.pages[p // page_size] * page_size + p % page_size
+                         for p in range(start, start + count))
+            rope_lengths.append((count, start + count))
+            if item.samples:
+                sample_rows.append(row + count - 1)
+            if count == 1 and start > 0:
+                decodes.append(item)
+                decode_rows.append(row)
+            else:
+                pages = seq.pages[: -(-(start + count) // page_size)]
+                prefills.append(PrefillSpan(row, count, start + count, self._tensor(pages)))
+        attn = self._decode_metadata(decodes, decode_rows, prefills, self._tensor(slots))
+        return ForwardInputs(
+            input_ids=self._tensor(token_ids),
+            positions=self._tensor(positions),
+            attn=attn,
+            sample_rows=self._tensor(sample_rows),
+            rope_lengths=rope_lengths,
+        )
+
+    def _decode_metadata(self, decodes, rows, prefills, slot_mapping) -> AttentionMetadata:
+        page_size = self.kv.page_size
+        ctx_lens = [item.seq.num_computed + 1 for item in decodes]
+        max_ctx = max(ctx_lens, default=0)
+        max_pages = -(-max_ctx // page_size)
+        tables = [item.seq.pages[:max_pages] + [0] * (max_pages - len(item.seq.pages[:max_pages]))
+                  for item in decodes]
+        return AttentionMetadata(
+            page_size=page_size,
+            slot_mapping=slot_mapping,
+            prefills=prefills,
+            decode_rows=self._tensor(rows),
+            decode_pages=self._tensor(tables).view(len(decodes), max_pages),
+            decode_ctx_lens=self._tensor(ctx_lens),
+            max_decode_ctx=max_ctx,
+        )
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [seq.params for seq in seqs]
+        filtering = any(p.needs_filtering for p in params)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingTensors(
+            temperature=self._tensor([p.temperature for p in params], torch.float32),
+            top_k=self._tensor([p.top_k for p in params]) if filtering else None,
+            top_p=self._tensor([p.top_p for p in params], torch.float32) if filtering else None,
+            min_p=self._tensor([p.min_p for p in params], torch.float32) if filtering else None,
+            seeds=self._tensor([seq.seed for seq in seqs]),
+            steps=self._tensor([seq.num_output for seq in seqs]),
+            all_greedy=all(p.greedy for p in params),
+            penalties=self._penalties(seqs) if any(p.needs_penalties for p in params) else None,
+            max_logprobs=max(logprobs) if logprobs else None,
+        )
+
+    def _penalties(self, seqs: list[Sequence]) -> Penalties:
+        batch, vocab = len(seqs), self.vocab_size
+        counts = torch.zeros(batch, vocab, device=self.device)
+        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=self.device)
+        for row, seq in enumerate(seqs):
+            outputs = self._tensor(seq.output_ids)
+            counts[row].index_add_(0, outputs, torch.ones(len(outputs), device=self.device))
+            seen[row, self._tensor(seq.token_ids)] = True
+        params = [seq.params for seq in seqs]
+        return Penalties(
+            repetition=self._tensor([p.repetition_penalty for p in params], torch.float32),
+            presence=self._tensor([p.presence_penalty for p in params], torch.float32),
+            frequency=self._tensor([p.frequency_penalty for p in params], torch.float32),
+            output_counts=counts,
+            seen_mask=seen,
+        )
+
+    def _to_host(self, out: SamplerOutput, seqs: list[Sequence]) -> dict[int, SampledToken]:
+        """The step's single device -> host copy: ids, and logprobs packed beside them."""
+        if out.token_logprobs is None:
+            ids = out.token_ids.tolist()
+            return {seq.seq_id: SampledToken(tok, None) for seq, tok in zip(seqs, ids, strict=True)}
+        packed = torch.cat([
+            out.token_ids[:, None].double(), out.token_logprobs[:, None].double(),
+            out.top_ids.double(), out.top_logprobs.double(),
+        ], dim=1).cpu().tolist()  # [B, 2 + 2k]
+        k = out.top_ids.shape[1]
+        results = {}
+        for seq, row in zip(seqs, packed, strict=True):
+            token = int(row[0])
+            logprobs = None
+            if seq.params.logprobs is not None:
+                n = seq.params.logprobs
+                logprobs = {int(i): lp for i, lp in zip(row[2 : 2 + n], row[2 + k : 2 + k + n])}
+                logprobs[token] = row[1]
+            results[seq.seq_id] = SampledToken(token, logprobs)
+        return results
+
+    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

@@ -1,0 +1,35 @@
+"""Counter-based random numbers on the device: uniform(seed, step, token) with no generator state.
+
+A request's noise depends only on its seed and its step, never on the batch it lands in, and
+needs no host round trip, so it can run inside a captured graph. The hash is lowbias32 (a
+well-mixed 32-bit integer hash) applied twice, computed in int64 with explicit 32-bit masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, V] from int64 seeds [B] and steps [B]."""
+    key = _mix32((seeds & MASK32) ^ _mix32(((seeds >> 32) & MASK32) ^ _mix32(steps & MASK32)))
+    key2 = _mix32(key ^ 0x5BD1E995)
+    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    x = _mix32(((token * 0x9E3779B1) + key[:, None]) & MASK32)
+    x = _mix32(x ^ key2[:, None])
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [B, V]; argmax(p / E) samples from p."""
+    return -torch.log(uniform(seeds, steps, vocab_size))

@@ -1,0 +1,105 @@
+"""SamplingParams: what a request asks of the sampler and the stop conditions, validated once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from noesis.errors import InvalidSamplingParams
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k. `logprobs=k` returns, per generated
+    token, the top-k log-probabilities of the model's distribution plus the sampled token's.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists and a single string for convenience, store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
+        _check_int("top_k", self.top_k, lo=0)
+        _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=100.0, lo_open=True)
+        _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidSamplingParams("stop", f"each stop must be a non-empty string, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def needs_filtering(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSamplingParams(name, f"must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise InvalidSamplingParams(name, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise InvalidSamplingParams(name, f"must be <= {hi}, got {value}")
+
+
+def _check_number(
+    name: str, value: object, lo: float, hi: float, lo_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidSamplingParams(name, f"must be a number, got {value!r}")
+    if value < lo or (lo_open and value == lo):
+        raise InvalidSamplingParams(name, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if value > hi:
+        raise InvalidSamplingParams(name, f"must be <= {hi}, got {value}")

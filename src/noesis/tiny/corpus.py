@@ -1,0 +1,612 @@
+"""The noesis-tiny corpus: seeded conversations with tool calls, as OpenAI-style messages plus the
+metadata an evaluator scores against, rendered to Harmony by harmony.render.
+
+Example `i` of a split depends only on (seed, split, i), so any slice can be made in parallel and
+re-made later. Held-out examples use only held-out entities (lexicon.split_of): names, words,
+countries, and every number and year that appears in a question.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from noesis.tiny import english, harmony, lexicon
+from noesis.tiny.lexicon import Split
+from noesis.tiny.tools import ERROR_PREFIX, TOOLS, UNITS, WEEKDAYS, execute, format_number, schemas
+
+CANNOT = "can't"  # every refusal for a missing tool contains this
+ERROR_ANSWER = "error"  # every report of a tool error contains this
+
+
+@dataclass(frozen=True)
+class Example:
+    """One conversation and what a correct model does in it."""
+
+    id: str
+    split: Split
+    task: str
+    messages: list[dict[str, Any]]  # the whole conversation, ending with the assistant's final
+    tools: list[dict[str, Any]]  # declared tools (OpenAI function format)
+    expected_tool: str | None  # None: the right move is to answer without a call
+    expected_arguments: dict[str, Any] | None
+    tool_result: str | None
+    expected_answer: str | None  # a correct final answer contains it; None: not scored
+
+    @property
+    def prompt_messages(self) -> list[dict[str, Any]]:
+        """The conversation up to and including the last user message."""
+        last_user = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        return self.messages[: last_user + 1]
+
+    @property
+    def messages_before_final(self) -> list[dict[str, Any]]:
+        """Everything before the closing final answer (with the tool call and its result)."""
+        return self.messages[:-1]
+
+    @property
+    def final_answer(self) -> str:
+        return self.messages[-1]["content"]
+
+    def text(self) -> str:
+        return harmony.render(self.messages, self.tools)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Task:
+    """A question and how to answer it, before tools are declared and messages are built."""
+
+    kind: str
+    question: str
+    tool: str | None = None
+    arguments: dict[str, Any] | None = None
+    thinking: str = ""
+    # For tool tasks: tool result -> (final answer, expected answer).
+    finish: Callable[[str], tuple[str, str]] | None = None
+    final: str = ""  # for tasks answered without a tool
+    answer: str | None = None
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """How often each task appears, and how tools are declared."""
+
+    weights: dict[str, float] = field(
+        default_factory=lambda: {
+            "calculator": 16,
+            "convert_units": 10,
+            "add_days": 6,
+            "days_between": 5,
+            "day_of_week": 6,
+            "lookup_country": 14,
+            "string_tool": 10,
+            "greeting": 6,
+            "recall": 13,
+            "writing": 8,
+        }
+    )
+    missing_tool: float = 0.15  # a tool task whose tool is not declared
+    no_tools: float = 0.06  # no developer tools at all
+    history: float = 0.10  # an earlier small exchange before the question
+    max_declared: int = 4
+
+
+DEFAULT_MIXTURE = Mixture()
+
+
+def example(seed: int, split: Split, index: int, mixture: Mixture = DEFAULT_MIXTURE) -> Example:
+    rng = random.Random(f"noesis-tiny/{seed}/{split}/{index}")
+    kinds, weights = zip(*mixture.weights.items(), strict=True)
+    task = GENERATORS[rng.choices(kinds, weights)[0]](rng, split)
+    declared = _declare_tools(rng, task.tool, mixture)
+    messages = _instructions(rng) + _history(rng, split, mixture) + [user(task.question)]
+    built = _answer(task, declared)
+    messages += built.messages
+    return Example(
+        id=f"{split}-{seed}-{index}",
+        split=split,
+        task=task.kind,
+        messages=messages,
+        tools=schemas(declared),
+        expected_tool=built.tool,
+        expected_arguments=task.arguments if built.tool else None,
+        tool_result=built.result,
+        expected_answer=built.answer,
+    )
+
+
+def generate(seed: int, split: Split, count: int, start: int = 0) -> list[Example]:
+    return [example(seed, split, i) for i in range(start, start + count)]
+
+
+def texts(seed: int, split: Split, count: int, start: int = 0, doc_every: int = 6) -> Iterator[str]:
+    """Harmony conversations, with a plain English document in place of every `doc_every`-th."""
+    for i in range(start, start + count):
+        if doc_every and i % doc_every == doc_every - 1:
+            yield document(seed, split, i)
+        else:
+            yield example(seed, split, i).text()
+
+
+def document(seed: int, split: Split, index: int) -> str:
+    rng = random.Random(f"noesis-tiny-doc/{seed}/{split}/{index}")
+    return english.document(rng, lexicon.in_split(lexicon.FIRST_NAMES, split))
+
+
+# ---------------------------------------------------------------- messages
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def tool_call_message(thinking: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    call = {"name": name, "arguments": json.dumps(arguments, separators=(",", ":"))}
+    return {
+        "role": "assistant",
+        "thinking": thinking,
+        "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
+    }
+
+
+@dataclass
+class _Answer:
+    messages: list[dict[str, Any]]
+    tool: str | None
+    result: str | None
+    answer: str | None
+
+
+def _answer(task: Task, declared: list[str]) -> _Answer:
+    if task.tool is None:
+        final = {"role": "assistant", "thinking": task.thinking, "content": task.final}
+        return _Answer([final], None, None, task.answer)
+    if task.tool not in declared:
+        thinking, final = _missing_tool(task.tool)
+        return _Answer([{"role": "assistant", "thinking": thinking, "content": final}], None, None, CANNOT)
+    assert task.arguments is not None and task.finish is not None
+    result = execute(task.tool, json.dumps(task.arguments))
+    if result.startswith(ERROR_PREFIX):
+        final_text = f"Sorry, the {task.tool} tool returned an error: {result[len(ERROR_PREFIX):]}."
+        answer = ERROR_ANSWER
+    else:
+        final_text, answer = task.finish(result)
+    messages = [
+        tool_call_message(task.thinking, task.tool, task.arguments),
+        {"role": "tool", "tool_call_id": "call_0", "name": task.tool, "content": result},
+        {"role": "assistant", "content": final_text},
+    ]
+    return _Answer(messages, task.tool, result, answer)
+
+
+_PURPOSES = {
+    "calculator": ("a calculation", "calculate that"),
+    "convert_units": ("a unit conversion", "convert units"),
+    "add_days": ("a date calculation", "work out that date"),
+    "days_between": ("a date calculation", "count those days"),
+    "day_of_week": ("a weekday", "find the weekday"),
+    "lookup_country": ("country information", "look that up"),
+    "string_tool": ("a text operation", "do that text operation"),
+}
+
+
+def _missing_tool(tool: str) -> tuple[str, str]:
+    purpose, action = _PURPOSES[tool]
+    thinking = f"The user wants {purpose}, but the {tool} tool is not available."
+    return thinking, f"Sorry, I {CANNOT} {action} without the {tool} tool."
+
+
+def _declare_tools(rng: random.Random, needed: str | None, mixture: Mixture) -> list[str]:
+    if rng.random() < mixture.no_tools:
+        return []
+    others = [name for name in TOOLS if name != needed]
+    count = rng.randint(1, mixture.max_declared)
+    if needed is not None and rng.random() >= mixture.missing_tool:
+        declared = [needed] + rng.sample(others, count - 1)
+    else:
+        declared = rng.sample(others, count)
+    rng.shuffle(declared)
+    return declared
+
+
+INSTRUCTIONS = (
+    "You are a helpful assistant.",
+    "Use the tools when they help. Keep answers short.",
+    "Answer clearly and briefly.",
+    "Be friendly and precise.",
+    "Think step by step, then answer in one sentence.",
+    "Only call a tool when you need it.",
+)
+
+
+def _instructions(rng: random.Random) -> list[dict[str, Any]]:
+    if rng.random() < 0.3:
+        return []
+    return [{"role": "developer", "content": rng.choice(INSTRUCTIONS)}]
+
+
+def _history(rng: random.Random, split: Split, mixture: Mixture) -> list[dict[str, Any]]:
+    """An earlier exchange answered without tools; its analysis is dropped, as gpt-oss does."""
+    if rng.random() >= mixture.history:
+        return []
+    earlier = rng.choice((_greeting, _recall))(rng, split)
+    return [user(earlier.question), {"role": "assistant", "content": earlier.final}]
+
+
+# ---------------------------------------------------------------- arithmetic
+
+
+_WORD_OPS = {"+": "plus", "-": "minus", "*": "times", "/": "divided by"}
+_ASK = ("What is {}?", "Calculate {}.", "Compute {}.", "How much is {}?", "Please work out {}.")
+
+
+def _calculator(rng: random.Random, split: Split) -> Task:
+    shape = rng.choices(("binary", "ternary", "percent", "square", "zero"), (60, 22, 8, 7, 3))[0]
+    expression, question = _ARITHMETIC[shape](rng, split)
+    display = question
+    if shape in ("binary", "ternary") and rng.random() < 0.5:
+        display = rng.choice(_ASK).format(_spaced(expression) if rng.random() < 0.5 else expression)
+    thinking = rng.choice(
+        (
+            f"The user wants {expression}. I will use the calculator.",
+            f"This needs arithmetic: {expression}. Use the calculator.",
+            f"Compute {expression} with the calculator tool.",
+        )
+    )
+
+    def finish(result: str) -> tuple[str, str]:
+        text = rng.choice((f"{expression} = {result}.", f"The answer is {result}."))
+        return text, result
+
+    return Task("calculator", display, "calculator", {"expression": expression}, thinking, finish)
+
+
+def _spaced(expression: str) -> str:
+    for op in "+-*/":
+        expression = expression.replace(op, f" {op} ")
+    return expression.replace("*  *", "**")
+
+
+def _binary(rng: random.Random, split: Split) -> tuple[str, str]:
+    op = rng.choice("+-*/")
+    if op == "*":
+        a, b = lexicon.number(rng, 2, 99, split), lexicon.number(rng, 2, 999, split)
+    elif op == "/":
+        b = lexicon.number(rng, 2, 50, split)
+        a = lexicon.number(rng, 2, 2000, split)
+    else:
+        a, b = lexicon.number(rng, 2, 9999, split), lexicon.number(rng, 2, 9999, split)
+    return f"{a}{op}{b}", f"What is {a} {_WORD_OPS[op]} {b}?"
+
+
+def _ternary(rng: random.Random, split: Split) -> tuple[str, str]:
+    a, b, c = (lexicon.number(rng, 2, 200, split) for _ in range(3))
+    op1, op2 = rng.choice("+-*"), rng.choice("+-*")
+    if rng.random() < 0.5:
+        return f"({a}{op1}{b}){op2}{c}", f"What is {a} {_WORD_OPS[op1]} {b}, then {_WORD_OPS[op2]} {c}?"
+    return f"{a}{op1}{b}{op2}{c}", f"What is {a} {_WORD_OPS[op1]} {b} {_WORD_OPS[op2]} {c}?"
+
+
+def _percent(rng: random.Random, split: Split) -> tuple[str, str]:
+    p, n = lexicon.number(rng, 1, 99, split), lexicon.number(rng, 10, 5000, split)
+    return f"{n}*{p}/100", f"What is {p}% of {n}?"
+
+
+def _square(rng: random.Random, split: Split) -> tuple[str, str]:
+    a = lexicon.number(rng, 2, 999, split)
+    return f"{a}**2", f"What is {a} squared?"
+
+
+def _zero(rng: random.Random, split: Split) -> tuple[str, str]:
+    a = lexicon.number(rng, 2, 999, split)
+    return f"{a}/0", f"What is {a} divided by 0?"
+
+
+_ARITHMETIC = {
+    "binary": _binary,
+    "ternary": _ternary,
+    "percent": _percent,
+    "square": _square,
+    "zero": _zero,
+}
+
+
+# ---------------------------------------------------------------- units
+
+
+UNIT_ALIASES: dict[str, tuple[str, ...]] = {
+    "kilometer": ("km", "kilometers"),
+    "meter": ("meters", "m"),
+    "centimeter": ("cm", "centimeters"),
+    "mile": ("miles",),
+    "foot": ("feet", "ft"),
+    "inch": ("inches",),
+    "kilogram": ("kg", "kilograms"),
+    "gram": ("grams", "g"),
+    "pound": ("pounds", "lb"),
+    "ounce": ("ounces", "oz"),
+    "liter": ("liters", "L"),
+    "milliliter": ("milliliters", "ml"),
+    "gallon": ("gallons",),
+    "celsius": ("degrees Celsius", "Celsius"),
+    "fahrenheit": ("degrees Fahrenheit", "Fahrenheit"),
+    "kelvin": ("kelvins", "kelvin"),
+}
+_UNIT_ASK = (
+    "Convert {v} {a} to {b}.",
+    "How many {b} are in {v} {a}?",
+    "What is {v} {a} in {b}?",
+    "{v} {a} is how many {b}?",
+)
+
+
+def _convert_units(rng: random.Random, split: Split) -> Task:
+    dimension = rng.choice(("length", "mass", "volume", "temperature"))
+    source, target = rng.sample([u for u in UNITS.values() if u.dimension == dimension], 2)
+    low, high = (-40, 250) if dimension == "temperature" else (1, 900)
+    value: float = lexicon.number(rng, low, high, split)
+    if dimension != "temperature" and rng.random() < 0.2:
+        value += 0.5
+    shown = format_number(value)
+    a, b = rng.choice(UNIT_ALIASES[source.name]), rng.choice(UNIT_ALIASES[target.name])
+    question = rng.choice(_UNIT_ASK).format(v=shown, a=a, b=b)
+    arguments = {"value": value, "from_unit": source.name, "to_unit": target.name}
+    thinking = f"Convert {shown} {source.name} to {target.name} with convert_units."
+
+    def finish(result: str) -> tuple[str, str]:
+        number = result.split(" = ")[1].split(" ")[0]
+        return f"{shown} {source.plural} is {number} {target.plural}.", number
+
+    return Task("convert_units", question, "convert_units", arguments, thinking, finish)
+
+
+# ---------------------------------------------------------------- dates
+
+
+MONTHS = (
+    "January February March April May June July August September October November December".split()
+)
+
+
+def _date(rng: random.Random, split: Split) -> str:
+    year = lexicon.number(rng, 1900, 2099, split)
+    month, day = rng.randint(1, 12), rng.randint(1, 28)
+    return f"{year:04d}-{month:02d}-{day:02d}"
+
+
+def _spoken(iso: str, rng: random.Random) -> str:
+    """The date as the user writes it: ISO most of the time, sometimes 'March 5, 2024'."""
+    if rng.random() < 0.7:
+        return iso
+    year, month, day = iso.split("-")
+    return f"{MONTHS[int(month) - 1]} {int(day)}, {year}"
+
+
+def _add_days(rng: random.Random, split: Split) -> Task:
+    start, days = _date(rng, split), lexicon.number(rng, 1, 500, split)
+    shown = _spoken(start, rng)
+    before = rng.random() < 0.3
+    if before:
+        question = rng.choice(("What date is {n} days before {d}?", "What was the date {n} days before {d}?"))
+    else:
+        question = rng.choice(
+            (
+                "What date is {n} days after {d}?",
+                "Add {n} days to {d}.",
+                "If today is {d}, what date will it be in {n} days?",
+            )
+        )
+    signed = -days if before else days
+    word = "before" if before else "after"
+    thinking = f"Start at {start} and add {signed} days with add_days."
+
+    def finish(result: str) -> tuple[str, str]:
+        return f"{days} days {word} {start} is {result}.", result
+
+    arguments = {"date": start, "days": signed}
+    return Task("add_days", question.format(n=days, d=shown), "add_days", arguments, thinking, finish)
+
+
+def _days_between(rng: random.Random, split: Split) -> Task:
+    start, end = sorted((_date(rng, split), _date(rng, split)))
+    if rng.random() < 0.2:
+        start, end = end, start
+    a, b = _spoken(start, rng), _spoken(end, rng)
+    question = rng.choice(
+        (
+            "How many days are there between {a} and {b}?",
+            "How many days from {a} to {b}?",
+            "Count the days from {a} until {b}.",
+        )
+    ).format(a=a, b=b)
+    thinking = f"Count the days from {start} to {end} with days_between."
+
+    def finish(result: str) -> tuple[str, str]:
+        return f"There are {result} days from {start} to {end}.", result
+
+    arguments = {"start": start, "end": end}
+    return Task("days_between", question, "days_between", arguments, thinking, finish)
+
+
+def _day_of_week(rng: random.Random, split: Split) -> Task:
+    date = _date(rng, split)
+    question = rng.choice(
+        (
+            "What day of the week is {d}?",
+            "Which weekday was {d}?",
+            "On what day of the week does {d} fall?",
+        )
+    ).format(d=_spoken(date, rng))
+    thinking = f"Find the weekday of {date} with day_of_week."
+
+    def finish(result: str) -> tuple[str, str]:
+        return f"{date} is a {result}.", result
+
+    return Task("day_of_week", question, "day_of_week", {"date": date}, thinking, finish)
+
+
+# ---------------------------------------------------------------- country table
+
+
+_COUNTRY_ASK = {
+    "capital": (
+        "What is the capital of {c}?",
+        "Which city is the capital of {c}?",
+        "Tell me the capital of {c}.",
+    ),
+    "population": ("What is the population of {c}?", "How many people live in {c}?"),
+    "currency": ("What currency does {c} use?", "What is the currency of {c}?"),
+}
+_COUNTRY_FINAL = {
+    "capital": "The capital of {c} is {r}.",
+    "population": "{c} has a population of {r}.",
+    "currency": "The currency of {c} is the {r}.",
+}
+
+
+def _lookup_country(rng: random.Random, split: Split) -> Task:
+    if rng.random() < 0.04:
+        name = lexicon.unknown_country_name(rng, split)
+    else:
+        name = rng.choice(lexicon.countries_in(split)).name
+    what = rng.choices(("capital", "population", "currency"), (45, 30, 25))[0]
+    question = rng.choice(_COUNTRY_ASK[what]).format(c=name)
+    thinking = f"Look up the {what} of {name} with lookup_country."
+
+    def finish(result: str) -> tuple[str, str]:
+        return _COUNTRY_FINAL[what].format(c=name, r=result), result
+
+    arguments = {"country": name, "field": what}
+    return Task("lookup_country", question, "lookup_country", arguments, thinking, finish)
+
+
+# ---------------------------------------------------------------- strings
+
+
+def _string_tool(rng: random.Random, split: Split) -> Task:
+    word = rng.choice(lexicon.in_split(lexicon.STRING_WORDS, split))
+    operation = rng.choice(("reverse", "uppercase", "lowercase", "length", "count_letter"))
+    text = word.capitalize() if operation == "lowercase" and rng.random() < 0.5 else word
+    text = text.upper() if operation == "lowercase" and text == word else text
+    letter = rng.choice(word) if rng.random() < 0.85 else rng.choice("abcdefghijklmnopqrstuvwxyz")
+    question = rng.choice(_STRING_ASK[operation]).format(w=text, l=letter)
+    arguments = {"operation": operation, "text": text}
+    if operation == "count_letter":
+        arguments["letter"] = letter
+    thinking = f"Use string_tool with {operation} on '{text}'."
+
+    def finish(result: str) -> tuple[str, str]:
+        return _STRING_FINAL[operation].format(w=text, l=letter, r=result), result
+
+    return Task("string_tool", question, "string_tool", arguments, thinking, finish)
+
+
+_STRING_ASK = {
+    "reverse": ("Reverse the word '{w}'.", "What is '{w}' spelled backwards?", "Write {w} backwards."),
+    "uppercase": ("Write '{w}' in uppercase.", "Convert '{w}' to capital letters."),
+    "lowercase": ("Make '{w}' lowercase.", "Write '{w}' in lowercase letters."),
+    "length": (
+        "How many letters are in '{w}'?",
+        "How long is the word '{w}'?",
+        "Count the characters in '{w}'.",
+    ),
+    "count_letter": (
+        "How many times does the letter '{l}' appear in '{w}'?",
+        "Count the letter '{l}' in '{w}'.",
+    ),
+}
+_STRING_FINAL = {
+    "reverse": "'{w}' backwards is '{r}'.",
+    "uppercase": "In uppercase, '{w}' is '{r}'.",
+    "lowercase": "In lowercase, '{w}' is '{r}'.",
+    "length": "'{w}' has {r} letters.",
+    "count_letter": "The letter '{l}' appears {r} times in '{w}'.",
+}
+
+
+# ---------------------------------------------------------------- answered without a tool
+
+
+_SMALL_TALK = (
+    (("Hi!", "Hello!", "Hello there.", "Good morning!", "Hey, how are you?"),
+     "The user is greeting me. No tool is needed.", "Hello! How can I help you today?", "help"),
+    (("Thanks!", "Thank you very much.", "Thanks for the help."),
+     "The user is thanking me. No tool is needed.",
+     "You're welcome! Let me know if you need anything else.", "welcome"),
+    (("Who are you?", "What is your name?"),
+     "The user asks who I am. No tool is needed.",
+     "I am noesis-tiny, a small assistant that answers questions and uses tools.", "noesis-tiny"),
+    (("Bye!", "Goodbye.", "See you later."),
+     "The user is saying goodbye. No tool is needed.", "Goodbye! Have a nice day.", "Goodbye"),
+)  # fmt: skip
+
+
+def _greeting(rng: random.Random, split: Split) -> Task:
+    questions, thinking, final, answer = rng.choice(_SMALL_TALK)
+    return Task("greeting", rng.choice(questions), thinking=thinking, final=final, answer=answer)
+
+
+def _recall(rng: random.Random, split: Split) -> Task:
+    names = lexicon.in_split(lexicon.FIRST_NAMES, split)
+    name, n = rng.choice(names), lexicon.number(rng, 2, 99, split)
+    city = rng.choice(lexicon.countries_in(split)).capital
+    animal, color = rng.choice(english.ANIMALS), rng.choice(english.COLORS)
+    item = rng.choice(("apples", "books", "coins", "pencils", "cards", "stamps"))
+    code, date = lexicon.number(rng, 1000, 9999, split), _date(rng, split)
+    day = rng.choice(WEEKDAYS)
+    facts = (
+        (f"My name is {name}. What is my name?", f"Your name is {name}.", name),
+        (f"I live in {city}. Where do I live?", f"You live in {city}.", city),
+        (f"My favorite color is {color}. What is my favorite color?",
+         f"Your favorite color is {color}.", color),
+        (f"I have {n} {item}. How many {item} do I have?", f"You have {n} {item}.", str(n)),
+        (f"The door code is {code}. What is the door code?", f"The door code is {code}.", str(code)),
+        (f"My {animal} is called {name}. What is my {animal} called?",
+         f"Your {animal} is called {name}.", name),
+        (f"{name} is {n} years old. How old is {name}?", f"{name} is {n} years old.", str(n)),
+        (f"{name} was born on {date}. When was {name} born?", f"{name} was born on {date}.", date),
+        (f"The meeting is on {day}. Which day is the meeting?", f"The meeting is on {day}.", day),
+    )  # fmt: skip
+    question, final, answer = rng.choice(facts)
+    thinking = rng.choice(
+        ("The answer is in the message. No tool is needed.", "The user already told me. Answer directly.")
+    )
+    return Task("recall", question, thinking=thinking, final=final, answer=answer)
+
+
+def _writing(rng: random.Random, split: Split) -> Task:
+    animal = rng.choice(english.ANIMALS)
+    name = rng.choice(lexicon.in_split(lexicon.FIRST_NAMES, split))
+    kind = rng.randrange(3)
+    if kind == 0:
+        question = rng.choice(("Write a sentence about a {a}.", "Say something about a {a}."))
+        return Task("writing", question.format(a=animal),
+                    thinking=f"A sentence about a {animal}. I can write it myself, no tool is needed.",
+                    final=english.about(rng, animal), answer=animal)  # fmt: skip
+    if kind == 1:
+        return Task("writing", f"Tell me a short story about {name} and a {animal}.",
+                    thinking="A short story. I can write it myself, no tool is needed.",
+                    final=english.story(rng, name, animal), answer=name)  # fmt: skip
+    return Task("writing", rng.choice(("Tell me a fact.", "Tell me something interesting.")),
+                thinking="The user wants a simple fact. No tool is needed.",
+                final=rng.choice(english.FACTS), answer=None)  # fmt: skip
+
+
+GENERATORS: dict[str, Callable[[random.Random, Split], Task]] = {
+    "calculator": _calculator,
+    "convert_units": _convert_units,
+    "add_days": _add_days,
+    "days_between": _days_between,
+    "day_of_week": _day_of_week,
+    "lookup_country": _lookup_country,
+    "string_tool": _string_tool,
+    "greeting": _greeting,
+    "recall": _recall,
+    "writing": _writing,
+}

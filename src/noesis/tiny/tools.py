@@ -1,0 +1,401 @@
+"""The built-in tools of noesis-tiny: their JSON schemas, a small schema validator, and `execute`.
+
+Every tool is plain Python with no side effects. `execute` never raises on bad model output: it
+returns the tool's result, or a string starting with "error:" that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime as dt
+import json
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from noesis.tiny.lexicon import COUNTRIES
+
+ERROR_PREFIX = "error: "
+
+
+class ToolError(Exception):
+    """A tool refused its input; the message becomes the tool's result."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    run: Callable[[dict[str, Any]], str]
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI function-tool declaration."""
+        function = {"name": self.name, "description": self.description}
+        return {"type": "function", "function": {**function, "parameters": self.parameters}}
+
+
+def execute(name: str, arguments_json: str) -> str:
+    """Run tool `name` on a JSON arguments string; returns the result or an "error: ..." string."""
+    tool = TOOLS.get(name)
+    if tool is None:
+        return f"{ERROR_PREFIX}unknown tool {name!r} (known: {', '.join(TOOLS)})"
+    try:
+        arguments = json.loads(arguments_json)
+    except (json.JSONDecodeError, TypeError) as exc:
+        return f"{ERROR_PREFIX}arguments are not valid JSON ({exc})"
+    problems = validate(tool.parameters, arguments)
+    if problems:
+        return ERROR_PREFIX + "; ".join(problems)
+    try:
+        return tool.run(arguments)
+    except ToolError as exc:
+        return f"{ERROR_PREFIX}{exc}"
+
+
+def schemas(names: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+    return [TOOLS[name].schema() for name in names]
+
+
+# ---------------------------------------------------------------- schema validation
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+}
+
+
+def validate(schema: dict[str, Any], value: Any, path: str = "arguments") -> list[str]:
+    """Check `value` against the subset of JSON Schema the tools use; returns the problems found."""
+    kind = schema.get("type")
+    if kind is not None and not _JSON_TYPES[kind](value):
+        return [f"{path} must be of type {kind}"]
+    if "enum" in schema and value not in schema["enum"]:
+        return [f"{path} must be one of {', '.join(map(str, schema['enum']))}"]
+    if kind == "object":
+        return _validate_object(schema, value, path)
+    if kind == "array":
+        item_schema = schema.get("items", {})
+        return [p for i, item in enumerate(value) for p in validate(item_schema, item, f"{path}[{i}]")]
+    return _validate_scalar(schema, value, path)
+
+
+def _validate_object(schema: dict[str, Any], value: dict[str, Any], path: str) -> list[str]:
+    properties = schema.get("properties", {})
+    problems = [f"{path} lacks required {key!r}" for key in schema.get("required", []) if key not in value]
+    for key, item in value.items():
+        if key in properties:
+            problems += validate(properties[key], item, f"{path}.{key}")
+        elif schema.get("additionalProperties", True) is False:
+            problems.append(f"{path} has unexpected {key!r}")
+    return problems
+
+
+def _validate_scalar(schema: dict[str, Any], value: Any, path: str) -> list[str]:
+    problems = []
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            problems.append(f"{path} is shorter than {schema['minLength']}")
+        if len(value) > schema.get("maxLength", len(value)):
+            problems.append(f"{path} is longer than {schema['maxLength']}")
+        if "pattern" in schema and not re.fullmatch(schema["pattern"], value):
+            problems.append(f"{path} does not match {schema['pattern']}")
+    elif _JSON_TYPES["number"](value):
+        if "minimum" in schema and value < schema["minimum"]:
+            problems.append(f"{path} is below {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            problems.append(f"{path} is above {schema['maximum']}")
+    return problems
+
+
+def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+# ---------------------------------------------------------------- calculator
+
+
+_BINARY_OPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY_OPS: dict[type, Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+MAX_EXPRESSION_CHARS = 200
+MAX_MAGNITUDE = 1e15
+
+
+def format_number(value: float) -> str:
+    """Integers without a decimal point, other values to at most 6 decimals."""
+    if float(value).is_integer() and abs(value) < MAX_MAGNITUDE:
+        return str(int(value))
+    text = f"{value:.6f}".rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "") else text
+
+
+def calculate(expression: str) -> float:
+    """Evaluate + - * / // % ** and parentheses over numbers, without eval()."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ToolError(f"expression is longer than {MAX_EXPRESSION_CHARS} characters")
+    normalized = expression.replace("×", "*").replace("÷", "/").replace("^", "**")
+    try:
+        tree = ast.parse(normalized.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ToolError(f"cannot parse expression {expression!r}") from exc
+    return _evaluate(tree.body)
+
+
+def _evaluate(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant) and _JSON_TYPES["number"](node.value):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
+        return _UNARY_OPS[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise ToolError("exponent is too large")
+        try:
+            result = _BINARY_OPS[type(node.op)](left, right)
+        except ZeroDivisionError as exc:
+            raise ToolError("division by zero") from exc
+        if isinstance(result, complex) or abs(result) > MAX_MAGNITUDE:
+            raise ToolError("result is out of range")
+        return result
+    raise ToolError(f"unsupported element in expression: {type(node).__name__}")
+
+
+def _run_calculator(args: dict[str, Any]) -> str:
+    return format_number(calculate(args["expression"]))
+
+
+# ---------------------------------------------------------------- unit conversion
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    plural: str
+    dimension: str
+    factor: float  # to the dimension's base unit (temperature: handled apart)
+
+
+UNITS: dict[str, Unit] = {
+    u.name: u
+    for u in (
+        Unit("kilometer", "kilometers", "length", 1000.0),
+        Unit("meter", "meters", "length", 1.0),
+        Unit("centimeter", "centimeters", "length", 0.01),
+        Unit("mile", "miles", "length", 1609.344),
+        Unit("foot", "feet", "length", 0.3048),
+        Unit("inch", "inches", "length", 0.0254),
+        Unit("kilogram", "kilograms", "mass", 1.0),
+        Unit("gram", "grams", "mass", 0.001),
+        Unit("pound", "pounds", "mass", 0.45359237),
+        Unit("ounce", "ounces", "mass", 0.028349523125),
+        Unit("liter", "liters", "volume", 1.0),
+        Unit("milliliter", "milliliters", "volume", 0.001),
+        Unit("gallon", "gallons", "volume", 3.785411784),
+        Unit("celsius", "degrees Celsius", "temperature", 1.0),
+        Unit("fahrenheit", "degrees Fahrenheit", "temperature", 1.0),
+        Unit("kelvin", "kelvins", "temperature", 1.0),
+    )
+}
+
+
+def convert(value: float, source: Unit, target: Unit) -> float:
+    if source.dimension != target.dimension:
+        raise ToolError(f"cannot convert {source.name} to {target.name}")
+    if source.dimension == "temperature":
+        return _from_kelvin(_to_kelvin(value, source.name), target.name)
+    return value * source.factor / target.factor
+
+
+def _to_kelvin(value: float, unit: str) -> float:
+    celsius = {"celsius": value, "fahrenheit": (value - 32) * 5 / 9, "kelvin": value - 273.15}[unit]
+    return celsius + 273.15
+
+
+def _from_kelvin(kelvin: float, unit: str) -> float:
+    celsius = kelvin - 273.15
+    return {"celsius": celsius, "fahrenheit": celsius * 9 / 5 + 32, "kelvin": kelvin}[unit]
+
+
+def round_quantity(value: float) -> str:
+    return format_number(round(value, 2))
+
+
+def _run_convert(args: dict[str, Any]) -> str:
+    source, target = UNITS[args["from_unit"]], UNITS[args["to_unit"]]
+    result = convert(args["value"], source, target)
+    return f"{format_number(args['value'])} {source.plural} = {round_quantity(result)} {target.plural}"
+
+
+# ---------------------------------------------------------------- dates
+
+
+DATE_PATTERN = r"\d{4}-\d{2}-\d{2}"
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def parse_date(text: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError as exc:
+        raise ToolError(f"{text!r} is not a valid date (YYYY-MM-DD)") from exc
+
+
+def _run_add_days(args: dict[str, Any]) -> str:
+    try:
+        return (parse_date(args["date"]) + dt.timedelta(days=args["days"])).isoformat()
+    except OverflowError as exc:
+        raise ToolError("resulting date is out of range") from exc
+
+
+def _run_days_between(args: dict[str, Any]) -> str:
+    return str((parse_date(args["end"]) - parse_date(args["start"])).days)
+
+
+def _run_day_of_week(args: dict[str, Any]) -> str:
+    return WEEKDAYS[parse_date(args["date"]).weekday()]
+
+
+# ---------------------------------------------------------------- country table
+
+
+COUNTRY_FIELDS = ("capital", "population", "currency")
+
+
+def _run_lookup(args: dict[str, Any]) -> str:
+    country = COUNTRIES.get(args["country"].strip().lower())
+    if country is None:
+        raise ToolError(f"unknown country {args['country']!r}")
+    value = getattr(country, args["field"])
+    return f"{value:,}" if isinstance(value, int) else value
+
+
+# ---------------------------------------------------------------- strings
+
+
+STRING_OPERATIONS = ("reverse", "uppercase", "lowercase", "length", "count_letter")
+
+
+def _run_string(args: dict[str, Any]) -> str:
+    text, operation = args["text"], args["operation"]
+    if operation == "count_letter":
+        letter = args.get("letter", "")
+        if len(letter) != 1:
+            raise ToolError("count_letter needs 'letter', a single character")
+        return str(text.lower().count(letter.lower()))
+    results = {
+        "reverse": lambda: text[::-1],
+        "uppercase": text.upper,
+        "lowercase": text.lower,
+        "length": lambda: str(len(text)),
+    }
+    return results[operation]()
+
+
+# ---------------------------------------------------------------- registry
+
+
+def _string(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+_DATE = {"pattern": DATE_PATTERN}
+
+TOOLS: dict[str, Tool] = {
+    tool.name: tool
+    for tool in (
+        Tool(
+            "calculator",
+            "Evaluates an arithmetic expression with + - * / % ** and parentheses.",
+            _object({"expression": _string("The expression, e.g. (2+3)*4", minLength=1)}, ["expression"]),
+            _run_calculator,
+        ),
+        Tool(
+            "convert_units",
+            "Converts a quantity between units of length, mass, volume or temperature.",
+            _object(
+                {
+                    "value": {"type": "number", "description": "The quantity to convert"},
+                    "from_unit": _string("The unit of the value", enum=list(UNITS)),
+                    "to_unit": _string("The unit to convert to", enum=list(UNITS)),
+                },
+                ["value", "from_unit", "to_unit"],
+            ),
+            _run_convert,
+        ),
+        Tool(
+            "add_days",
+            "Adds a number of days (negative to go back) to a date and returns the new date.",
+            _object(
+                {
+                    "date": _string("The start date, YYYY-MM-DD", **_DATE),
+                    "days": {"type": "integer", "description": "Days to add"},
+                },
+                ["date", "days"],
+            ),
+            _run_add_days,
+        ),
+        Tool(
+            "days_between",
+            "Counts the days from one date to another.",
+            _object(
+                {
+                    "start": _string("The first date, YYYY-MM-DD", **_DATE),
+                    "end": _string("The second date, YYYY-MM-DD", **_DATE),
+                },
+                ["start", "end"],
+            ),
+            _run_days_between,
+        ),
+        Tool(
+            "day_of_week",
+            "Returns the weekday of a date.",
+            _object({"date": _string("The date, YYYY-MM-DD", **_DATE)}, ["date"]),
+            _run_day_of_week,
+        ),
+        Tool(
+            "lookup_country",
+            "Looks up the capital, population or currency of a country in the built-in table.",
+            _object(
+                {
+                    "country": _string("The country name", minLength=1),
+                    "field": _string("What to look up", enum=list(COUNTRY_FIELDS)),
+                },
+                ["country", "field"],
+            ),
+            _run_lookup,
+        ),
+        Tool(
+            "string_tool",
+            "Reverses, changes the case of, measures or counts letters in a text.",
+            _object(
+                {
+                    "operation": _string("What to do", enum=list(STRING_OPERATIONS)),
+                    "text": _string("The text to work on"),
+                    "letter": _string("The letter to count (count_letter only)"),
+                },
+                ["operation", "text"],
+            ),
+            _run_string,
+        ),
+    )
+}

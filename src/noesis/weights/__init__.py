@@ -1,0 +1,1 @@
+"""Weights: checkpoint resolution (local dir or Hub cache), safetensors reading, strict loading."""
