@@ -1,4 +1,4 @@
-"""Tiny random-weight Hugging Face checkpoints built on the fly with `transformers` (no downloads)."""
+"""Tiny random-weight Hugging Face checkpoints built on the fly with `transformers`."""
 
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ def build_tokenizer(out: Path, chat_template: str | None = CHAT_TEMPLATE) -> Non
     tok.decoder = decoders.ByteLevel()
     specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB - 8, special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB - 8,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([TEXT] * 4, trainer)
     tok.post_processor = processors.TemplateProcessing(
@@ -49,16 +51,31 @@ def build_tokenizer(out: Path, chat_template: str | None = CHAT_TEMPLATE) -> Non
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_checkpoint(out: Path, family: str = "llama", seed: int = 0, dtype=torch.float32,
-                     std: float = 0.3, shard_bytes: str | None = None, **overrides) -> Path:
+def build_checkpoint(
+    out: Path,
+    family: str = "llama",
+    seed: int = 0,
+    dtype=torch.float32,
+    std: float = 0.3,
+    shard_bytes: str | None = None,
+    **overrides,
+) -> Path:
     """Save a random model of `family` with a matching tokenizer to `out`; returns `out`."""
     import transformers
 
     config_name, model_name, family_defaults = FAMILIES[family]
     kwargs = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, initializer_range=std,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        initializer_range=std,
     )
     kwargs.update(family_defaults)
     kwargs.update(overrides)

@@ -21,8 +21,20 @@ from noesis.sampling.params import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "NoesisError",
-    "InvalidRequest", "InvalidSamplingParams", "PromptTooLong", "ModelNotFound",
-    "UnsupportedModel", "CheckpointError", "CheckpointMismatch", "ChatTemplateError",
-    "ConfigError", "OutOfKVCache",
+    "LLM",
+    "Engine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "NoesisError",
+    "InvalidRequest",
+    "InvalidSamplingParams",
+    "PromptTooLong",
+    "ModelNotFound",
+    "UnsupportedModel",
+    "CheckpointError",
+    "CheckpointMismatch",
+    "ChatTemplateError",
+    "ConfigError",
+    "OutOfKVCache",
 ]

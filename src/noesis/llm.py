@@ -35,32 +35,48 @@ class LLM:
     def model_config(self):
         return self.engine.loaded.config
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Run all prompts batched through the scheduler; outputs come back in prompt order."""
         prompts = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompts))
         ids = self._add_all(prompts, params_list)
         return self._run_to_completion(ids, use_tqdm)
 
-    def chat(self, messages: list[Message] | list[list[Message]],
-             params: SamplingParams | None = None, tools: list[dict] | None = None,
-             add_generation_prompt: bool = True, **template_kwargs: Any):
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | None = None,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ):
         """Apply the checkpoint's chat template; one conversation in, one output out (or lists)."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else messages
-        prompts = [self.render_chat(c, tools, add_generation_prompt, **template_kwargs)
-                   for c in conversations]
+        prompts = [
+            self.render_chat(c, tools, add_generation_prompt, **template_kwargs)
+            for c in conversations
+        ]
         outputs = self.generate(prompts, params)
         return outputs[0] if single else outputs
 
-    def render_chat(self, messages: list[Message], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
         if not messages:
             raise InvalidRequest("messages is empty")
-        text = self.tokenizer.apply_chat_template(messages, tools, add_generation_prompt,
-                                                  **template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools, add_generation_prompt, **template_kwargs
+        )
         # The template already wrote any BOS it wants.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -115,9 +131,7 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(
-        isinstance(t, int) for t in prompts
-    ):
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise InvalidRequest("prompts must be a string, a list of token ids, or a non-empty list")

@@ -16,8 +16,13 @@ from noesis.errors import ChatTemplateError, CheckpointError
 
 
 class Tokenizer:
-    def __init__(self, backend: HFTokenizer, config: dict[str, Any], chat_template: str | None,
-                 eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        config: dict[str, Any],
+        chat_template: str | None,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
         self.backend = backend
         self.config = config
         self.chat_template = chat_template
@@ -49,8 +54,13 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list | None = None,
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
         if self.chat_template is None:
             raise ChatTemplateError(
                 "this checkpoint has no chat template (no chat_template in tokenizer_config.json "
@@ -59,8 +69,12 @@ class Tokenizer:
         try:
             template = _jinja_env().from_string(self.chat_template)
             return template.render(
-                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, **kwargs,
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **kwargs,
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template failed to render: {exc}") from exc
@@ -144,15 +158,22 @@ def _raise(message: str):
 
 
 def _jinja_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )

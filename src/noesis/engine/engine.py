@@ -54,8 +54,9 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator
         )
-        rope = RotaryEmbedding(model_config.rope, model_config.max_position_embeddings,
-                               self.max_model_len, self.device)
+        rope = RotaryEmbedding(
+            model_config.rope, model_config.max_position_embeddings, self.max_model_len, self.device
+        )
         self.runner = ModelRunner(self.loaded.model, self.kv, rope, self.device)
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -80,8 +81,12 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
@@ -114,8 +119,9 @@ class Engine:
             raise PromptTooLong(len(token_ids), self.max_model_len)
         return token_ids, text
 
-    def _make_sequence(self, token_ids: list[int], params: SamplingParams,
-                       request_id: str | None) -> Sequence:
+    def _make_sequence(
+        self, token_ids: list[int], params: SamplingParams, request_id: str | None
+    ) -> Sequence:
         seq_id = next(self._seq_ids)
         request_id = request_id if request_id is not None else f"req-{seq_id}"
         if request_id in self._requests:
@@ -127,8 +133,9 @@ class Engine:
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Sequence(seq_id, request_id, token_ids, len(token_ids), params, limit, seed,
-                        frozenset(stop_ids))
+        return Sequence(
+            seq_id, request_id, token_ids, len(token_ids), params, limit, seed, frozenset(stop_ids)
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self._requests.pop(request_id, None)

@@ -18,9 +18,13 @@ from noesis.weights.hub import resolve_model_dir
 from noesis.weights.loader import load_weights
 
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
@@ -45,7 +49,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError as exc:
-        raise ConfigError(f"unknown device {device!r} (use cpu, cuda, cuda:N, mps or auto)") from exc
+        raise ConfigError(
+            f"unknown device {device!r} (use cpu, cuda, cuda:N, mps or auto)"
+        ) from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' requested but PyTorch sees no CUDA device")
     if resolved.type == "mps" and not torch.backends.mps.is_available():
@@ -76,8 +82,13 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def load_model(model: str | Path, device="auto", dtype="auto", revision: str | None = None,
-               progress: bool = True) -> LoadedModel:
+def load_model(
+    model: str | Path,
+    device="auto",
+    dtype="auto",
+    revision: str | None = None,
+    progress: bool = True,
+) -> LoadedModel:
     start = time.perf_counter()
     model_dir = resolve_model_dir(model, revision)
     config = read_model_config(model_dir)

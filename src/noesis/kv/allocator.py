@@ -14,7 +14,9 @@ class PageAllocator:
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages <= 0 or page_size <= 0:
-            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+            raise ValueError(
+                f"num_pages and page_size must be positive, got {num_pages}, {page_size}"
+            )
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))

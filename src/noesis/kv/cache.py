@@ -1,4 +1,4 @@
-"""KV pool: one [2, num_pages, page_size, num_kv_heads, head_dim] tensor per layer, allocated once."""
+"""KV pool: one [2, pages, page_size, kv_heads, head_dim] tensor per layer, allocated once."""
 
 from __future__ import annotations
 
@@ -14,13 +14,20 @@ def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
 
 
 class KVPool:
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (2, num_pages, page_size, config.num_kv_heads, config.head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device)
-                       for _ in range(config.num_layers)]
+        self.layers = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+        ]
 
     @property
     def nbytes(self) -> int:

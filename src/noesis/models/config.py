@@ -1,4 +1,4 @@
-"""ModelConfig: the only reader of a checkpoint's config.json. Everything inward trusts these fields."""
+"""ModelConfig: the only reader of a checkpoint's config.json; inward code trusts its fields."""
 
 from __future__ import annotations
 
@@ -94,7 +94,9 @@ class ModelConfig:
             )
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ACTIVATIONS:
-            raise UnsupportedModel(f"hidden_act {act!r} is not supported (supported: {ACTIVATIONS})")
+            raise UnsupportedModel(
+                f"hidden_act {act!r} is not supported (supported: {ACTIVATIONS})"
+            )
         attention_bias = bool(cfg.get("attention_bias", False))
         qkv_bias = family == "qwen2" or attention_bias
         return cls(
@@ -158,7 +160,9 @@ def _sliding_window(cfg: dict[str, Any], family: str) -> int | None:
         return None
     if family in ("qwen2", "qwen3") and cfg.get("max_window_layers") is not None:
         if cfg["max_window_layers"] < cfg["num_hidden_layers"]:
-            raise UnsupportedModel("per-layer sliding windows (max_window_layers) are not supported")
+            raise UnsupportedModel(
+                "per-layer sliding windows (max_window_layers) are not supported"
+            )
     return int(window)
 
 
@@ -170,7 +174,9 @@ def _rope(cfg: dict[str, Any], head_dim: int) -> RopeConfig:
     if rope_type == "su":
         rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
-        raise UnsupportedModel(f"rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
+        raise UnsupportedModel(
+            f"rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})"
+        )
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     max_pos = int(cfg.get("max_position_embeddings", 2048))

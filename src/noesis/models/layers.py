@@ -1,4 +1,4 @@
-"""Building blocks shared by the decoder families: RMSNorm, fused-projection attention, SwiGLU MLP."""
+"""Blocks shared by the decoder families: RMSNorm, fused-projection attention, SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -67,7 +67,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

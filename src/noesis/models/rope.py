@@ -16,8 +16,9 @@ from noesis.models.config import RopeConfig
 
 
 class RotaryEmbedding:
-    def __init__(self, rope: RopeConfig, max_position_embeddings: int, max_len: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, rope: RopeConfig, max_position_embeddings: int, max_len: int, device: torch.device
+    ) -> None:
         self.rope = rope
         self.dim = rope.rotary_dim
         self.max_position_embeddings = max_position_embeddings
@@ -86,7 +87,9 @@ def _inv_freq(rope: RopeConfig, max_pos: int, seq_len: int | None) -> tuple[torc
         return base_inv / rope.factor, 1.0
     if kind == "dynamic":
         length = max(seq_len or max_pos, max_pos)
-        base = rope.theta * ((rope.factor * length / max_pos) - (rope.factor - 1)) ** (dim / (dim - 2))
+        base = rope.theta * ((rope.factor * length / max_pos) - (rope.factor - 1)) ** (
+            dim / (dim - 2)
+        )
         return 1.0 / (base**exponents), 1.0
     if kind == "llama3":
         return _llama3(rope, base_inv), 1.0
@@ -139,7 +142,9 @@ def _yarn(rope: RopeConfig, max_pos: int, exponents: torch.Tensor) -> tuple[torc
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = base**exponents
     extrapolation = 1.0 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, float(attention_factor)
 
 

@@ -34,7 +34,9 @@ class TorchPagedAttention:
             else:
                 keys, values = _gather(kv_cache, span.pages[None], span.ctx_len)
                 keys, values = keys[0], values[0]
-            mask = _mask(span.ctx_len - span.q_len, span.q_len, span.ctx_len, sliding_window, q.device)
+            mask = _mask(
+                span.ctx_len - span.q_len, span.q_len, span.ctx_len, sliding_window, q.device
+            )
             out[rows] = _sdpa(q[rows][None], keys[None], values[None], mask, scale)[0]
         if meta.decode_rows.numel():
             out[meta.decode_rows] = self._decode(q, kv_cache, meta, scale, sliding_window)
@@ -52,7 +54,9 @@ class TorchPagedAttention:
         return _sdpa(q[meta.decode_rows][:, None], keys, values, mask, scale)[:, 0]
 
 
-def _write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def _write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, num_slots, Hkv, d]
     flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
@@ -78,7 +82,11 @@ def _mask(first_pos: int, q_len: int, ctx_len: int, window: int | None, device) 
 def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
     """q [B, Lq, H, d], k/v [B, Lk, Hkv, d], boolean mask broadcastable to [B, H, Lq, Lk]."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)

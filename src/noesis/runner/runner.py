@@ -1,4 +1,4 @@
-"""ModelRunner: StepPlan -> ForwardInputs -> forward -> sample -> one copy of the results to the host."""
+"""ModelRunner: StepPlan -> ForwardInputs -> forward -> sample -> one copy back to the host."""
 
 from __future__ import annotations
 
@@ -23,8 +23,14 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv: KVPool, rope: RotaryEmbedding,
-                 device: torch.device, attention=None) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv: KVPool,
+        rope: RotaryEmbedding,
+        device: torch.device,
+        attention=None,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.rope = rope
@@ -56,8 +62,10 @@ class ModelRunner:
             row = len(token_ids)
             token_ids.extend(seq.token_ids[start : start + count])
             positions.extend(range(start, start + count))
-            slots.extend(seq.pages[p // page_size] * page_size + p % page_size
-                         for p in range(start, start + count))
+            slots.extend(
+                seq.pages[p // page_size] * page_size + p % page_size
+                for p in range(start, start + count)
+            )
             rope_lengths.append((count, start + count))
             if item.samples:
                 sample_rows.append(row + count - 1)
@@ -81,8 +89,10 @@ class ModelRunner:
         ctx_lens = [item.seq.num_computed + 1 for item in decodes]
         max_ctx = max(ctx_lens, default=0)
         max_pages = -(-max_ctx // page_size)
-        tables = [item.seq.pages[:max_pages] + [0] * (max_pages - len(item.seq.pages[:max_pages]))
-                  for item in decodes]
+        tables = [
+            item.seq.pages[:max_pages] + [0] * (max_pages - len(item.seq.pages[:max_pages]))
+            for item in decodes
+        ]
         return AttentionMetadata(
             page_size=page_size,
             slot_mapping=slot_mapping,
@@ -131,10 +141,19 @@ class ModelRunner:
         if out.token_logprobs is None:
             ids = out.token_ids.tolist()
             return {seq.seq_id: SampledToken(tok, None) for seq, tok in zip(seqs, ids, strict=True)}
-        packed = torch.cat([
-            out.token_ids[:, None].double(), out.token_logprobs[:, None].double(),
-            out.top_ids.double(), out.top_logprobs.double(),
-        ], dim=1).cpu().tolist()  # [B, 2 + 2k]
+        packed = (
+            torch.cat(
+                [
+                    out.token_ids[:, None].double(),
+                    out.token_logprobs[:, None].double(),
+                    out.top_ids.double(),
+                    out.top_logprobs.double(),
+                ],
+                dim=1,
+            )
+            .cpu()
+            .tolist()
+        )  # [B, 2 + 2k]
         k = out.top_ids.shape[1]
         results = {}
         for seq, row in zip(seqs, packed, strict=True):
@@ -142,7 +161,8 @@ class ModelRunner:
             logprobs = None
             if seq.params.logprobs is not None:
                 n = seq.params.logprobs
-                logprobs = {int(i): lp for i, lp in zip(row[2 : 2 + n], row[2 + k : 2 + k + n])}
+                top = zip(row[2 : 2 + n], row[2 + k : 2 + k + n], strict=True)
+                logprobs = {int(i): lp for i, lp in top}
                 logprobs[token] = row[1]
             results[seq.seq_id] = SampledToken(token, logprobs)
         return results

@@ -35,7 +35,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        # Accept lists and a single string for convenience, store tuples so the object stays hashable.
+        # Accept lists and a lone string; store tuples so the object stays hashable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
@@ -62,7 +62,9 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, lo=1)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidSamplingParams("stop", f"each stop must be a non-empty string, got {s!r}")
+                raise InvalidSamplingParams(
+                    "stop", f"each stop must be a non-empty string, got {s!r}"
+                )
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
@@ -94,9 +96,7 @@ def _check_int(name: str, value: object, lo: int | None = None, hi: int | None =
         raise InvalidSamplingParams(name, f"must be <= {hi}, got {value}")
 
 
-def _check_number(
-    name: str, value: object, lo: float, hi: float, lo_open: bool = False
-) -> None:
+def _check_number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise InvalidSamplingParams(name, f"must be a number, got {value!r}")
     if value < lo or (lo_open and value == lo):

@@ -58,8 +58,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         return SamplerOutput(token_ids, None, None, None)
     logprobs = torch.log_softmax(raw, dim=-1)
     token_logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
-    top_logprobs, top_ids = logprobs.topk(t.max_logprobs, dim=-1) if t.max_logprobs else (
-        logprobs[:, :0], token_ids[:, None][:, :0])
+    top_logprobs, top_ids = (
+        logprobs.topk(t.max_logprobs, dim=-1)
+        if t.max_logprobs
+        else (logprobs[:, :0], token_ids[:, None][:, :0])
+    )
     return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs)
 
 

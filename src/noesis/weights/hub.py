@@ -1,4 +1,4 @@
-"""Resolving a model argument to a local checkpoint directory: a path, or a Hub repo id via its cache."""
+"""Resolving a model argument to a checkpoint directory: a local path, or a Hub repo id."""
 
 from __future__ import annotations
 
@@ -44,5 +44,7 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
     except RepositoryNotFoundError as exc:
         raise ModelNotFound(f"no Hugging Face repository {repo_id!r} (or it is gated)") from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise ModelNotFound(f"could not fetch {repo_id!r} from the Hugging Face Hub: {exc}") from exc
+        raise ModelNotFound(
+            f"could not fetch {repo_id!r} from the Hugging Face Hub: {exc}"
+        ) from exc
     return Path(local)

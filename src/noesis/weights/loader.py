@@ -1,4 +1,4 @@
-"""Strict loading: every parameter filled exactly once from the checkpoint, or an error naming why."""
+"""Strict loading: every parameter filled exactly once from the checkpoint, or a named error."""
 
 from __future__ import annotations
 
@@ -83,5 +83,3 @@ def _check_shapes(targets: dict, params: dict, index: dict) -> None:
 def _names(keys: list[str]) -> str:
     shown = ", ".join(keys[:MAX_NAMES])
     return shown + (f", ... ({len(keys) - MAX_NAMES} more)" if len(keys) > MAX_NAMES else "")
-
-

@@ -29,7 +29,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no *.safetensors files in {model_dir} (only safetensors is supported)")
+        raise CheckpointError(
+            f"no *.safetensors files in {model_dir} (only safetensors is supported)"
+        )
     return files
 
 
@@ -40,8 +42,9 @@ def tensor_index(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
         with _open(path) as handle:
             for key in handle.keys():
                 if key in index:
-                    raise CheckpointError(f"tensor {key} appears in both {index[key][0].name} "
-                                          f"and {path.name}")
+                    raise CheckpointError(
+                        f"tensor {key} appears in both {index[key][0].name} and {path.name}"
+                    )
                 index[key] = (path, tuple(handle.get_slice(key).get_shape()))
     return index
 
