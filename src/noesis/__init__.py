@@ -1,40 +1,44 @@
-"""noesis: a local LLM inference runtime on PyTorch."""
+"""noesis: a local LLM inference runtime on PyTorch.
 
-from noesis.engine.engine import Engine, EngineConfig
-from noesis.engine.outputs import RequestOutput
-from noesis.errors import (
-    ChatTemplateError,
-    CheckpointError,
-    CheckpointMismatch,
-    ConfigError,
-    InvalidRequest,
-    InvalidSamplingParams,
-    ModelNotFound,
-    NoesisError,
-    OutOfKVCache,
-    PromptTooLong,
-    UnsupportedModel,
-)
-from noesis.llm import LLM
-from noesis.sampling.params import SamplingParams
+Names are imported lazily so that the pure-Python planner (scheduler, page allocator) can be
+imported without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "Engine",
-    "EngineConfig",
-    "SamplingParams",
-    "RequestOutput",
-    "NoesisError",
-    "InvalidRequest",
-    "InvalidSamplingParams",
-    "PromptTooLong",
-    "ModelNotFound",
-    "UnsupportedModel",
-    "CheckpointError",
-    "CheckpointMismatch",
-    "ChatTemplateError",
-    "ConfigError",
-    "OutOfKVCache",
-]
+_EXPORTS = {
+    "LLM": "noesis.llm",
+    "Engine": "noesis.engine.engine",
+    "EngineConfig": "noesis.engine.engine",
+    "SamplingParams": "noesis.sampling.params",
+    "RequestOutput": "noesis.engine.outputs",
+    **{
+        name: "noesis.errors"
+        for name in (
+            "NoesisError", "InvalidRequest", "InvalidSamplingParams", "PromptTooLong",
+            "ModelNotFound", "UnsupportedModel", "CheckpointError", "CheckpointMismatch",
+            "ChatTemplateError", "ConfigError", "OutOfKVCache",
+        )
+    },
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'noesis' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+if TYPE_CHECKING:
+    from noesis.engine.engine import Engine, EngineConfig
+    from noesis.engine.outputs import RequestOutput
+    from noesis.errors import *  # noqa: F403
+    from noesis.llm import LLM
+    from noesis.sampling.params import SamplingParams

@@ -30,11 +30,10 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens fed this step, starting at seq.num_computed
+    samples: bool = field(init=False)  # the step reaches the last known token: sample a new one
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
 
 
 @dataclass

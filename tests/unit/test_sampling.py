@@ -1,0 +1,170 @@
+"""Sampler: empirical distributions match the intended ones; seeded noise is batch-independent."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from noesis.errors import InvalidSamplingParams
+from noesis.sampling.noise import uniform
+from noesis.sampling.params import SamplingParams
+from noesis.sampling.sampler import Penalties, SamplingTensors, apply_penalties, sample
+
+PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+N = 40_000
+# chi-square critical values at p = 0.001, by degrees of freedom
+CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def draw(temperature=1.0, top_k=None, top_p=None, min_p=None, seed_base=0, step=0):
+    batch = N
+    logits = PROBS.log().repeat(batch, 1)
+    t = SamplingTensors(
+        temperature=torch.full((batch,), temperature),
+        top_k=None if top_k is None else torch.full((batch,), top_k),
+        top_p=None if top_p is None else torch.full((batch,), top_p),
+        min_p=None if min_p is None else torch.full((batch,), min_p),
+        seeds=torch.arange(seed_base, seed_base + batch, dtype=torch.int64),
+        steps=torch.full((batch,), step, dtype=torch.int64),
+        all_greedy=temperature == 0,
+    )
+    return sample(logits, t).token_ids
+
+
+def assert_distribution(samples: torch.Tensor, expected: torch.Tensor):
+    counts = torch.bincount(samples, minlength=len(expected)).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"sampled outside the support: {counts.tolist()}"
+    exp = expected[support].double() * len(samples)
+    chi2 = float(((counts[support] - exp) ** 2 / exp).sum())
+    dof = int(support.sum()) - 1
+    if dof == 0:
+        return
+    assert chi2 < CHI2_CRIT[dof], f"chi2={chi2:.1f} (dof {dof}); counts {counts.tolist()}"
+
+
+def renorm(p: torch.Tensor) -> torch.Tensor:
+    return p / p.sum()
+
+
+def test_plain_sampling_matches_probabilities():
+    assert_distribution(draw(), PROBS)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_temperature(temperature):
+    assert_distribution(draw(temperature=temperature), renorm(PROBS ** (1 / temperature)))
+
+
+def test_top_k():
+    expected = renorm(torch.where(torch.arange(6) < 3, PROBS, torch.zeros(6)))
+    assert_distribution(draw(top_k=3), expected)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    # 0.4 + 0.25 = 0.65 < 0.7, so the third token is still needed; the fourth is not.
+    expected = renorm(torch.where(torch.arange(6) < 3, PROBS, torch.zeros(6)))
+    assert_distribution(draw(top_p=0.7), expected)
+
+
+def test_top_k_then_top_p_renormalized():
+    # top-k 4 leaves [0.4, 0.25, 0.15, 0.1]/0.9; top-p 0.7 then keeps 0.444 + 0.278 = 0.72.
+    expected = renorm(torch.where(torch.arange(6) < 2, PROBS, torch.zeros(6)))
+    assert_distribution(draw(top_k=4, top_p=0.7), expected)
+
+
+def test_min_p():
+    # keep p >= 0.3 * 0.4 = 0.12
+    expected = renorm(torch.where(PROBS >= 0.12, PROBS, torch.zeros(6)))
+    assert_distribution(draw(min_p=0.3), expected)
+
+
+def test_temperature_zero_is_argmax():
+    assert torch.all(draw(temperature=0.0) == 0)
+
+
+def test_noise_is_uniform_and_keyed_by_seed_and_step():
+    seeds = torch.arange(1000, dtype=torch.int64)
+    u = uniform(seeds, torch.zeros(1000, dtype=torch.int64), 64)
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005
+    assert abs(float(u.var()) - 1 / 12) < 0.002
+    # same (seed, step) -> same noise regardless of batch position
+    alone = uniform(seeds[7:8], torch.zeros(1, dtype=torch.int64), 64)
+    assert torch.equal(alone[0], u[7])
+    other_step = uniform(seeds[7:8], torch.ones(1, dtype=torch.int64), 64)
+    assert not torch.equal(other_step[0], u[7])
+    # neighbouring seeds are uncorrelated
+    corr = torch.corrcoef(torch.stack([u[:, 0], u[:, 1]]))[0, 1]
+    assert abs(float(corr)) < 0.1
+
+
+def test_large_seed_high_bits_matter():
+    a = uniform(torch.tensor([5], dtype=torch.int64), torch.tensor([0]), 16)
+    b = uniform(torch.tensor([5 + (1 << 40)], dtype=torch.int64), torch.tensor([0]), 16)
+    assert not torch.equal(a, b)
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    penalties = Penalties(
+        repetition=torch.tensor([2.0]),
+        presence=torch.tensor([0.5]),
+        frequency=torch.tensor([0.25]),
+        output_counts=torch.tensor([[2.0, 0.0, 1.0, 0.0]]),
+        seen_mask=torch.tensor([[True, True, True, False]]),
+    )
+    out = apply_penalties(logits, penalties)
+    # token 0: 2/2 - 0.25*2 - 0.5; token 1: -1*2 (prompt only); token 2: 0.5/2 - 0.25 - 0.5
+    expected = torch.tensor([[1.0 - 0.5 - 0.5, -2.0, 0.25 - 0.25 - 0.5, 3.0]])
+    assert torch.allclose(out, expected)
+
+
+def test_logprobs_include_sampled_token():
+    logits = PROBS.log().repeat(2, 1)
+    t = SamplingTensors(
+        temperature=torch.tensor([1.0, 1.0]),
+        top_k=None, top_p=None, min_p=None,
+        seeds=torch.tensor([1, 2]),
+        steps=torch.tensor([0, 0]),
+        all_greedy=False,
+        max_logprobs=2,
+    )
+    out = sample(logits, t)
+    assert out.top_ids.tolist() == [[0, 1], [0, 1]]
+    assert torch.allclose(out.top_logprobs[0], PROBS[:2].log(), atol=1e-6)
+    assert torch.allclose(out.token_logprobs, PROBS.log()[out.token_ids], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -3),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("max_tokens", 0),
+        ("seed", -1),
+        ("logprobs", 100),
+        ("stop", [""]),
+        ("stop_token_ids", [-5]),
+        ("temperature", "hot"),
+    ],
+)
+def test_invalid_params_name_the_field(field, value):
+    with pytest.raises(InvalidSamplingParams, match=field) as info:
+        SamplingParams(**{field: value})
+    assert info.value.field == field
+    assert isinstance(info.value, ValueError)
+
+
+def test_params_normalize_stop_and_top_k():
+    p = SamplingParams(stop="END", top_k=-1, stop_token_ids=[3, 4])
+    assert p.stop == ("END",) and p.top_k == 0 and p.stop_token_ids == (3, 4)
