@@ -102,3 +102,47 @@ def load_model(
     module.eval()
     seconds = time.perf_counter() - start
     return LoadedModel(model_dir, config, module, tokenizer, device, dtype, seconds)
+
+
+def describe_checkpoint(model: str | Path, dtype="auto", device="cpu") -> dict[str, str]:
+    """What `noesis info` prints, read from config.json and safetensors headers (no weights)."""
+    from noesis.kv.cache import page_bytes
+    from noesis.weights.safetensors_io import checkpoint_files, tensor_index
+
+    model_dir = resolve_model_dir(model)
+    config = read_model_config(model_dir)
+    files = checkpoint_files(model_dir)
+    num_params = sum(_numel(shape) for _, shape in tensor_index(files).values())
+    target = resolve_dtype(dtype, config, resolve_device(device))
+    elem = torch.empty((), dtype=target).element_size()
+    kv_per_token = page_bytes(config, 1, target)
+    return {
+        "path": str(model_dir),
+        "architecture": f"{config.architecture} (family {config.family})",
+        "parameters": f"{num_params:,} ({num_params / 1e6:.1f}M)",
+        "checkpoint dtype": str(config.torch_dtype),
+        "checkpoint files": f"{len(files)} ({_gib(sum(f.stat().st_size for f in files))})",
+        "load dtype": str(target).removeprefix("torch."),
+        "weights in memory": _gib(num_params * elem),
+        "layers": str(config.num_layers),
+        "hidden / intermediate": f"{config.hidden_size} / {config.intermediate_size}",
+        "heads (q / kv) x dim": f"{config.num_heads} / {config.num_kv_heads} x {config.head_dim}",
+        "vocab": str(config.vocab_size),
+        "context": str(config.max_position_embeddings),
+        "rope": f"{config.rope.rope_type}, theta {config.rope.theta:g}",
+        "tied embeddings": str(config.tie_word_embeddings),
+        "KV cache per token": f"{kv_per_token:,} bytes",
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _gib(num_bytes: int) -> str:
+    if num_bytes < 1 << 30:
+        return f"{num_bytes / (1 << 20):.1f} MiB"
+    return f"{num_bytes / (1 << 30):.2f} GiB"

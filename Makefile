@@ -1,0 +1,47 @@
+# The README's commands. `make test` and `make run` create .venv when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CPU_TORCH := torch==2.13.0
+BUNDLED := models/noesis-tiny
+DEMO_CHECKPOINT := .cache/random-tiny
+
+.PHONY: setup test test-all lint run bench-cpu clean
+
+setup: $(VENV)/.installed
+
+# torch goes in first: the pinned CPU build where there is no NVIDIA driver, otherwise whatever
+# torch the user already installed (or the default CUDA build).
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+		if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+		else $(PY) -m pip install -q $(CPU_TORCH); fi; \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+
+test: lint
+	$(PY) -m pytest tests/unit -q
+
+test-all: setup
+	$(PY) -m pytest tests -q -m "not gpu"
+
+run: setup
+	@if [ -d $(BUNDLED) ]; then \
+		$(VENV)/bin/noesis chat --model $(BUNDLED) "What is 17 times 23?"; \
+	else \
+		test -f $(DEMO_CHECKPOINT)/config.json || \
+			$(PY) scripts/make_random_checkpoint.py --shape tiny --out $(DEMO_CHECKPOINT); \
+		echo "(bundled model not present yet: running a random-weight demo checkpoint)"; \
+		$(VENV)/bin/noesis generate --model $(DEMO_CHECKPOINT) --prompt "Hello" --max-tokens 32 --seed 0; \
+	fi
+
+bench-cpu: setup
+	$(PY) benchmarks/cpu_decode.py
+
+clean:
+	rm -rf $(VENV) .cache .bench .pytest_cache .ruff_cache

@@ -1,0 +1,167 @@
+"""The `noesis` command: generate, chat, info."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    from noesis.errors import NoesisError
+
+    try:
+        return args.handler(args)
+    except NoesisError as exc:
+        print(f"noesis: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="noesis", description="Local LLM inference: load a Hugging Face checkpoint and run it."
+    )
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
+    _add_sampling_args(gen)
+    gen.set_defaults(handler=_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model (interactive unless MESSAGE is given)")
+    _add_model_args(chat)
+    chat.add_argument("message", nargs="?", help="one-shot: send this message, print the reply")
+    chat.add_argument("--system", help="a system message placed before the conversation")
+    _add_sampling_args(chat)
+    chat.set_defaults(handler=_chat)
+
+    info = sub.add_parser("info", help="architecture, parameter count, dtype and memory")
+    _add_model_args(info)
+    info.set_defaults(handler=_info)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", "-m", default=os.environ.get("NOESIS_MODEL"),
+        help="checkpoint directory or Hugging Face repo id (default: $NOESIS_MODEL or the "
+        "bundled noesis-tiny)",
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", "-t", type=float, default=0.7, help="0 means greedy")
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--seed", type=int)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def _model_arg(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    if BUNDLED_MODEL.is_dir():
+        return str(BUNDLED_MODEL)
+    from noesis.errors import ModelNotFound
+
+    raise ModelNotFound("no --model given and the bundled model is not present; pass --model")
+
+
+def _load(args: argparse.Namespace):
+    from noesis.llm import LLM
+
+    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    return LLM(_model_arg(args), device=args.device, dtype=args.dtype, **options)
+
+
+def _sampling(args: argparse.Namespace):
+    from noesis.sampling.params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = _load(args)
+    _stream_to_terminal(llm.stream(prompt, params))
+    return 0
+
+
+def _stream_to_terminal(deltas) -> str:
+    text = []
+    for delta in deltas:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+        text.append(delta)
+    sys.stdout.write("\n")
+    return "".join(text)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _load(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is not None:
+        _reply(llm, history, args.message, params)
+        return 0
+    print("Chatting with", _model_arg(args), "- /reset clears the history, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            message = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if message.strip() in ("/exit", "/quit"):
+            return 0
+        if message.strip() == "/reset":
+            del history[1 if args.system else 0 :]
+            continue
+        if message.strip():
+            _reply(llm, history, message, params)
+
+
+def _reply(llm, history: list[dict], message: str, params) -> None:
+    history.append({"role": "user", "content": message})
+    prompt = llm.render_chat(history)
+    reply = _stream_to_terminal(llm.stream(prompt, params))
+    history.append({"role": "assistant", "content": reply})
+
+
+def _info(args: argparse.Namespace) -> int:
+    from noesis.engine.loading import describe_checkpoint
+
+    for key, value in describe_checkpoint(_model_arg(args), args.dtype, args.device).items():
+        print(f"{key:<24}{value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
