@@ -1,4 +1,4 @@
-"""CPU benchmark: decode tok/s and time to first token, noesis vs transformers (eager), same weights.
+"""CPU benchmark: decode tok/s and time to first token, noesis vs transformers eager.
 
     python benchmarks/cpu_decode.py [--checkpoint DIR] [--threads N] [--prompt-len 128] [--new 64]
 

@@ -20,7 +20,9 @@ SHAPES = {
     "tiny": dict(hidden=64, intermediate=172, layers=2, heads=4, kv_heads=2, vocab=512),
     "100m": dict(hidden=768, intermediate=2048, layers=12, heads=12, kv_heads=4, vocab=32000),
     "llama-1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256),
-    "llama-8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
+    "llama-8b": dict(
+        hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256
+    ),
 }
 TEXT = (
     "The engine reads the weights once and keeps them resident. Each step schedules a batch, "
@@ -29,7 +31,7 @@ TEXT = (
 SHARD_BYTES = 2 << 30
 
 
-def tensor_shapes(s: dict) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(s: dict, tie: bool = False) -> dict[str, tuple[int, ...]]:
     head_dim = s["hidden"] // s["heads"]
     shapes = {"model.embed_tokens.weight": (s["vocab"], s["hidden"])}
     for i in range(s["layers"]):
@@ -46,19 +48,22 @@ def tensor_shapes(s: dict) -> dict[str, tuple[int, ...]]:
             p + "post_attention_layernorm.weight": (s["hidden"],),
         }
     shapes["model.norm.weight"] = (s["hidden"],)
-    shapes["lm_head.weight"] = (s["vocab"], s["hidden"])
+    if not tie:
+        shapes["lm_head.weight"] = (s["vocab"], s["hidden"])
     return shapes
 
 
 def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen) -> torch.Tensor:
+    device = gen.device
     if len(shape) == 1:  # norms: near one
-        return (1.0 + 0.02 * torch.randn(shape, generator=gen)).to(dtype)
+        return (1.0 + 0.02 * torch.randn(shape, generator=gen, device=device)).to(dtype).cpu()
     std = 1.0 / shape[1] ** 0.5 if "embed" not in name else 0.02
-    return (torch.randn(shape, generator=gen) * std).to(dtype)
+    return (torch.randn(shape, generator=gen, device=device) * std).to(dtype).cpu()
 
 
-def write_weights(out: Path, shapes: dict, dtype: torch.dtype, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
+def write_weights(out: Path, shapes: dict, dtype: torch.dtype, seed: int,
+                  device: str = "cpu") -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, shape in shapes.items():
@@ -81,14 +86,14 @@ def write_weights(out: Path, shapes: dict, dtype: torch.dtype, seed: int) -> Non
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_config(out: Path, s: dict, dtype: str, max_len: int) -> None:
+def write_config(out: Path, s: dict, dtype: str, max_len: int, tie: bool = False) -> None:
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": s["hidden"], "intermediate_size": s["intermediate"],
         "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
         "num_key_value_heads": s["kv_heads"], "vocab_size": s["vocab"],
         "max_position_embeddings": max_len, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 0,
+        "hidden_act": "silu", "tie_word_embeddings": tie, "bos_token_id": 0,
         "eos_token_id": 1, "torch_dtype": dtype,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -125,13 +130,22 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--max-position-embeddings", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tie-embeddings", action="store_true", help="share embed and LM head")
+    parser.add_argument("--device", default="cpu", help="where to draw the random numbers")
     args = parser.parse_args()
-    shape = SHAPES[args.shape]
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_config(args.out, shape, args.dtype, args.max_position_embeddings)
-    write_tokenizer(args.out, shape["vocab"])
-    write_weights(args.out, tensor_shapes(shape), getattr(torch, args.dtype), args.seed)
+    make_checkpoint(args.out, args.shape, args.dtype, args.max_position_embeddings, args.seed,
+                    args.tie_embeddings, args.device)
     print(f"wrote a random {args.shape} checkpoint to {args.out}")
+
+
+def make_checkpoint(out: Path, shape_name: str, dtype: str = "bfloat16", max_len: int = 8192,
+                    seed: int = 0, tie: bool = False, device: str = "cpu") -> Path:
+    shape = SHAPES[shape_name]
+    out.mkdir(parents=True, exist_ok=True)
+    write_config(out, shape, dtype, max_len, tie)
+    write_tokenizer(out, shape["vocab"])
+    write_weights(out, tensor_shapes(shape, tie), getattr(torch, dtype), seed, device)
+    return out
 
 
 if __name__ == "__main__":

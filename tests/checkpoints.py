@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +26,83 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A named tiny checkpoint: its family, config overrides, and the LLM options it needs."""
+
+    family: str
+    config: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # e.g. max_model_len past max_position
+
+
+# Rotary parameters are chosen so that each scaling kind changes the result within a 6-token prompt
+# plus 32 generated tokens (see test_parity.py::test_rope_scaling_is_exercised).
+LONG_FACTOR = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]
+SHORT_FACTOR = [1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0, 2.5]
+SPECS = {
+    # families and attention shapes (default rope); weights depend only on shapes and the seed
+    "llama": Spec("llama"),  # GQA 4/2, untied
+    "llama-mha-tied-bias": Spec(
+        "llama",
+        {
+            "num_key_value_heads": 4,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "mlp_bias": True,
+        },
+    ),
+    "llama-mqa": Spec("llama", {"num_key_value_heads": 1}),
+    "mistral-swa": Spec("mistral", {"sliding_window": 8}),
+    "qwen2-tied": Spec("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": Spec("qwen3"),  # head_dim 24 != hidden 64 / 4 heads
+    "phi3": Spec("phi3"),
+    "phi3-partial-rotary": Spec("phi3", {"partial_rotary_factor": 0.5}),
+    # rope scaling kinds, all on the "llama" weights
+    "llama-linear": Spec("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
+    "llama-dynamic": Spec(
+        "llama",
+        {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+        {"max_model_len": 64},
+    ),
+    "llama-yarn": Spec(
+        "llama",
+        {
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    "llama-llama3": Spec(
+        "llama",
+        {
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    "phi3-longrope": Spec(
+        "phi3",
+        {
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 16,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "short_factor": SHORT_FACTOR,
+                "long_factor": LONG_FACTOR,
+            },
+        },
+    ),
 }
 
 
@@ -94,3 +173,66 @@ def load_reference(path: Path, dtype=torch.float32):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval()
+
+
+# ---- references computed with transformers ----------------------------------------------------
+
+
+def reset_rope_state(model) -> None:
+    """Undo dynamic NTK growth left by an earlier generate() (HF keeps it on the module)."""
+    for module in model.modules():
+        if hasattr(module, "original_inv_freq") and hasattr(module, "max_seq_len_cached"):
+            module.inv_freq = module.original_inv_freq.clone()
+            module.max_seq_len_cached = module.original_max_seq_len
+
+
+@torch.no_grad()
+def hf_generate(model, prompt: list[int], max_new_tokens: int):
+    """Greedy tokens and the per-step log-softmax rows [N, V] from HF's own cached generate().
+
+    EOS is disabled by clearing generation_config.eos_token_id (min_new_tokens would instead mask
+    the EOS logit and change the distribution), and the attention mask is passed explicitly
+    because token 0 doubles as the pad id.
+    """
+    reset_rope_state(model)
+    model.generation_config.eos_token_id = None
+    input_ids = torch.tensor([prompt])
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = torch.stack([step[0].float().log_softmax(-1) for step in out.logits])
+    return tokens, logprobs
+
+
+@torch.no_grad()
+def hf_recompute(model, prompt: list[int], max_new_tokens: int):
+    """Greedy decoding that reruns the whole sequence every step: no KV cache at all."""
+    reset_rope_state(model)
+    ids, rows = list(prompt), []
+    for _ in range(max_new_tokens):
+        reset_rope_state(model)
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        rows.append(logits.log_softmax(-1))
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], torch.stack(rows)
+
+
+def noesis_greedy(llm, prompt: list[int], max_new_tokens: int, **options):
+    """noesis greedy tokens and their logprobs, EOS ignored; `options` go to SamplingParams."""
+    from noesis import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=1, **options
+    )
+    out = llm.generate([prompt], params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == max_new_tokens
+    return out.token_ids, [
+        row[token] for row, token in zip(out.logprobs, out.token_ids, strict=True)
+    ]

@@ -27,7 +27,13 @@ _EXPORTS = {
     },
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "NoesisError",
+    "InvalidRequest", "InvalidSamplingParams", "PromptTooLong", "ModelNotFound",
+    "UnsupportedModel", "CheckpointError", "CheckpointMismatch", "ChatTemplateError",
+    "ConfigError", "OutOfKVCache",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
@@ -39,6 +45,18 @@ def __getattr__(name: str):
 if TYPE_CHECKING:
     from noesis.engine.engine import Engine, EngineConfig
     from noesis.engine.outputs import RequestOutput
-    from noesis.errors import *  # noqa: F403
+    from noesis.errors import (
+        ChatTemplateError,
+        CheckpointError,
+        CheckpointMismatch,
+        ConfigError,
+        InvalidRequest,
+        InvalidSamplingParams,
+        ModelNotFound,
+        NoesisError,
+        OutOfKVCache,
+        PromptTooLong,
+        UnsupportedModel,
+    )
     from noesis.llm import LLM
     from noesis.sampling.params import SamplingParams

@@ -1,4 +1,4 @@
-"""The `noesis` command: generate, chat, info."""
+"""The `noesis` command: generate, chat, info, serve."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, parameter count, dtype and memory")
     _add_model_args(info)
     info.set_defaults(handler=_info)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions)")
+    _add_model_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(handler=_serve)
     return parser
 
 
@@ -77,6 +82,43 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--served-model-name", help="the name clients send (default: the model dir)")
+    net.add_argument(
+        "--api-key", default=os.environ.get("NOESIS_API_KEY"),
+        help="require this Bearer key on /v1/* (default: $NOESIS_API_KEY; none: open)",
+    )
+    net.add_argument("--max-n", type=int, default=16, help="most choices per request")
+    net.add_argument(
+        "--max-tokens-limit", type=int, help="most tokens per choice (default: the context)"
+    )
+    net.add_argument(
+        "--max-queue", type=int, default=256,
+        help="requests that may wait beyond the running batch before 429 (default 256)",
+    )
+    net.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="seconds running requests get to finish after SIGTERM (default 30)",
+    )
+    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--max-num-seqs", type=int, default=64, help="running batch size (default 64)")
+    eng.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048,
+        help="tokens per step, also the prefill chunk (default 2048)",
+    )
+    eng.add_argument("--kv-cache-memory", type=int, help="bytes for the KV pool")
+    eng.add_argument("--page-size", type=int, default=16)
+    eng.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
+    eng.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false",
+        help="do not reuse KV pages of shared prompt prefixes",
+    )
 
 
 def _model_arg(args: argparse.Namespace) -> str:
@@ -161,6 +203,26 @@ def _info(args: argparse.Namespace) -> int:
     for key, value in describe_checkpoint(_model_arg(args), args.dtype, args.device).items():
         print(f"{key:<24}{value}")
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from noesis.engine.engine import EngineConfig
+    from noesis.server.app import serve
+    from noesis.server.config import ServeConfig
+
+    engine = EngineConfig(
+        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, seed=args.seed,
+        enable_prefix_caching=args.prefix_caching,
+    )
+    config = ServeConfig(
+        model=_model_arg(args), engine=engine, served_model_name=args.served_model_name,
+        host=args.host, port=args.port, api_key=args.api_key or None, max_n=args.max_n,
+        max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
+        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+    )
+    return serve(config)
 
 
 if __name__ == "__main__":

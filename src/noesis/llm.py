@@ -102,7 +102,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
-                ids.append(self.engine.add_request(prompt, params))
+                ids.append(self.engine.add_request(prompt, params, stream=False))
         except Exception:
             for request_id in ids:  # all or nothing: leave no half-added batch behind
                 self.engine.abort(request_id)

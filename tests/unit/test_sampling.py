@@ -168,3 +168,12 @@ def test_invalid_params_name_the_field(field, value):
 def test_params_normalize_stop_and_top_k():
     p = SamplingParams(stop="END", top_k=-1, stop_token_ids=[3, 4])
     assert p.stop == ("END",) and p.top_k == 0 and p.stop_token_ids == (3, 4)
+
+
+@pytest.mark.parametrize("vocab", [128256, 32000, 151936, 384, 1009])
+def test_two_stage_argmax_equals_argmax(vocab):
+    from noesis.sampling.sampler import argmax
+
+    x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
+    x[1, 3] = x[1, vocab - 2] = 50.0  # a tie resolves to the lowest index
+    assert torch.equal(argmax(x), x.argmax(dim=-1))

@@ -16,6 +16,7 @@ from noesis.engine.sequence import FinishReason, Sequence
 from noesis.errors import ConfigError, InvalidRequest, PromptTooLong
 from noesis.kv.allocator import PageAllocator
 from noesis.kv.cache import KVPool, page_bytes
+from noesis.kv.prefix_cache import PrefixCache
 from noesis.models.rope import RotaryEmbedding
 from noesis.runner.runner import ModelRunner
 from noesis.sampling.params import SamplingParams
@@ -33,7 +34,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None  # bytes for the KV pool; default sized from the device
+    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory noesis may fill
+    cuda_graphs: bool = True  # CUDA: capture decode steps at load
+    max_graph_batch: int | None = None  # largest captured batch (default: min(max_num_seqs, 128))
     seed: int = 0  # seeds the per-request seeds of requests that bring none
+    enable_prefix_caching: bool = False  # reuse KV pages of full-page prefixes across requests
     revision: str | None = None
     progress: bool = True
 
@@ -51,13 +56,20 @@ class Engine:
         num_pages = self._num_pages()
         self.kv = KVPool(model_config, num_pages, config.page_size, self.loaded.dtype, self.device)
         self.allocator = PageAllocator(num_pages, config.page_size)
+        self.prefix_cache = PrefixCache(self.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self.allocator,
+            self.prefix_cache,
         )
         rope = RotaryEmbedding(
             model_config.rope, model_config.max_position_embeddings, self.max_model_len, self.device
         )
         self.runner = ModelRunner(self.loaded.model, self.kv, rope, self.device)
+        self.timings = {"load_s": self.loaded.load_seconds, "capture_s": 0.0}
+        if self.device.type == "cuda" and config.cuda_graphs:
+            max_batch = config.max_graph_batch or min(config.max_num_seqs, 128)
+            self.timings["capture_s"] = self.runner.capture_graphs(max_batch, self.max_model_len)
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -68,16 +80,33 @@ class Engine:
         wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.page_size)
         budget = cfg.kv_cache_memory
         if budget is None:
-            budget = DEFAULT_CPU_KV_BYTES
-            if self.device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.5)
+            budget = self._default_kv_budget()
             budget = min(budget, wanted * per_page)
         num_pages = budget // per_page
         if num_pages < 1:
             raise ConfigError(
-                f"kv_cache_memory={budget} bytes holds no KV page ({per_page} bytes per page)"
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds no KV page "
+                f"({per_page} bytes each); lower max_num_batched_tokens or the model size, or "
+                "raise gpu_memory_utilization / kv_cache_memory"
             )
         return num_pages
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        if not 0.0 < self.config.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        return int(total * self.config.gpu_memory_utilization) - used - self._activation_reserve()
+
+    def _activation_reserve(self) -> int:
+        """Peak activation bytes of the largest step, estimated generously, plus slack."""
+        cfg, mc = self.config, self.loaded.config
+        elem = torch.empty((), dtype=self.loaded.dtype).element_size()
+        per_token = (mc.q_size + 2 * mc.kv_size + 3 * mc.intermediate_size + 4 * mc.hidden_size)
+        logits = max(cfg.max_num_seqs, 128) * mc.vocab_size * 4 * 4  # logits + sampler temporaries
+        return 2 * cfg.max_num_batched_tokens * per_token * elem + logits + (512 << 20)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -86,7 +115,10 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        stream: bool = True,
     ) -> str:
+        """Queue a request. With stream=False, step() reports it only when it finishes and the
+        text is decoded once at the end (unless stop strings need it token by token)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
@@ -94,7 +126,7 @@ class Engine:
         seq = self._make_sequence(token_ids, params, request_id)
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        state = RequestState(seq, text, detok)
+        state = RequestState(seq, text, detok, stream=stream)
         if params.logprobs is not None:
             state.logprobs = []
         self._requests[seq.request_id] = state
@@ -144,6 +176,10 @@ class Engine:
         self.scheduler.finish(state.seq, FinishReason.ABORT)
         return state.output()
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request in flight (shutdown, or a step that failed)."""
+        return [out for out in map(self.abort, list(self._requests)) if out is not None]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -164,13 +200,16 @@ class Engine:
             state = self._requests[seq.request_id]
             if state.logprobs is not None:
                 state.logprobs.append(sampled[seq.seq_id].logprobs)
-            self._detokenize(state)
-            outputs.append(state.output())
+            if state.incremental or seq.finished:
+                self._detokenize(state)
+            if state.stream or seq.finished:
+                outputs.append(state.output())
             if seq.finished:
                 del self._requests[seq.request_id]
         return outputs
 
     def _detokenize(self, state: RequestState) -> None:
+        """Decode what is new (everything, for a non-incremental request at its end)."""
         seq = state.seq
         if state.append_text(state.detokenizer.step(seq.token_ids)):
             self.scheduler.finish(seq, FinishReason.STOP)

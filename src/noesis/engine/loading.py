@@ -97,7 +97,13 @@ def load_model(
     dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
         module = model_class(config)(config)
-    module = module.to(dtype=dtype).to_empty(device=device)
+    try:
+        module = module.to(dtype=dtype).to_empty(device=device)
+    except torch.OutOfMemoryError as exc:
+        size = sum(p.numel() for p in module.parameters()) * dtype.itemsize
+        raise ConfigError(
+            f"the model's weights ({size / 2**30:.2f} GiB in {dtype}) do not fit on {device}"
+        ) from exc
     load_weights(module, config, model_dir, progress=progress)
     module.eval()
     seconds = time.perf_counter() - start

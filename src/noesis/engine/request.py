@@ -14,6 +14,7 @@ class RequestState:
     seq: Sequence
     prompt: str | None
     detokenizer: IncrementalDetokenizer
+    stream: bool = True  # report progress every step, not only at the end
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     hold_back: int = field(init=False)  # chars kept from streams: a stop string may be forming
@@ -21,6 +22,11 @@ class RequestState:
     def __post_init__(self) -> None:
         stops = self.seq.params.stop
         self.hold_back = max((len(s) for s in stops), default=1) - 1
+
+    @property
+    def incremental(self) -> bool:
+        """Whether text must be decoded token by token: streamed, or watched for stop strings."""
+        return self.stream or bool(self.seq.params.stop)
 
     def append_text(self, delta: str) -> bool:
         """Add decoded text; returns True when a stop string ended the request (text trimmed)."""

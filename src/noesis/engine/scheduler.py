@@ -3,7 +3,9 @@
 Policy, in order: running sequences first (decodes and unfinished chunked prefills, oldest first),
 then waiting sequences admitted FIFO while the token budget, the sequence cap and free pages allow.
 When a running sequence needs a page and none is free, the newest running sequence is preempted
-(its pages freed, to be recomputed later). Invariant: the scheduler imports no torch.
+(its pages freed, to be recomputed later). With a prefix cache, an admitted sequence starts on
+the cached pages of its longest cached prefix, and pages are cached as they fill.
+Invariant: the scheduler imports no torch.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from noesis.engine.sequence import FinishReason, Sequence, SequenceStatus
 from noesis.errors import OutOfKVCache
 from noesis.kv.allocator import PageAllocator
+from noesis.kv.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,15 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.config = config
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -104,10 +113,15 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.prefix_cache is not None:
+                self.prefix_cache.attach(seq)
             num_tokens = min(seq.num_uncomputed, budget)
             need = self._pages_missing(seq, num_tokens)
             if not self.allocator.can_allocate(need):
+                self._release_pages(seq)  # waiting sequences hold no pages
                 break
+            if self.prefix_cache is not None:
+                self.prefix_cache.record_admission(seq)
             self.waiting.popleft()
             seq.pages.extend(self.allocator.allocate(need))
             seq.status = SequenceStatus.RUNNING
@@ -120,12 +134,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
-        seq.num_computed = 0
+        self._release_pages(seq)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _release_pages(self, seq: Sequence) -> None:
+        self.allocator.free(reversed(seq.pages))  # tail first: it is evicted before the prefix
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_cached_pages = 0
 
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
         """Record a finished step: advance progress, append sampled tokens, finish what stops.
@@ -137,6 +155,8 @@ class Scheduler:
         for item in plan.scheduled:
             seq = item.seq
             seq.num_computed += item.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(seq)
             if seq.seq_id not in sampled:
                 continue
             token = sampled[seq.seq_id]
@@ -163,7 +183,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.free(seq.pages)
+        self.allocator.free(reversed(seq.pages))
         seq.pages = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -37,6 +37,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full pages
+    num_cached_pages: int = 0  # leading pages taken from or given to the prefix cache
 
     @property
     def num_output(self) -> int:

@@ -24,7 +24,10 @@ class KVPool:
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (2, num_pages, page_size, config.num_kv_heads, config.head_dim)
+        self.device = torch.device(device)
+        # One page past the allocator's range: padded rows of captured batches write here.
+        self.scratch_page = num_pages
+        shape = (2, num_pages + 1, page_size, config.num_kv_heads, config.head_dim)
         self.layers = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
         ]

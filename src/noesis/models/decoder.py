@@ -21,11 +21,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta, attention) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), cos, sin, kv_cache, meta, attention
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta, attention):
+        """Pre-norm block on the residual stream; returns (block output, residual so far)."""
+        normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(normed, cos, sin, kv_cache, meta, attention)
+        normed, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -49,13 +50,16 @@ class DecoderLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
-    def forward(self, input_ids, cos, sin, kv_caches, meta, attention) -> torch.Tensor:
+    def forward(self, input_ids, cos, sin, kv_caches, meta, attention):
+        """Returns (hidden, residual) [T, D]; their sum is the final residual stream."""
         hidden = self.model.embed_tokens(input_ids)  # [T, D]
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, attention)
-        return hidden
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, attention)
+        return hidden, residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.norm(hidden)
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over the chosen rows only: [B, D] -> [B, V] float32."""
+        hidden, _ = self.model.norm.add_forward(hidden, residual)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()  # [B, V]
+        return torch.nn.functional.linear(hidden, weight).float()

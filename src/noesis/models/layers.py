@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from noesis.kernels import ops
 from noesis.models.config import ModelConfig
-from noesis.models.rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -17,11 +16,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 and scale in the input dtype, as the reference implementations do.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return ops.add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -52,9 +51,10 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = attention.rope_and_store(q, k, v, cos, sin, kv_cache, meta)
+        out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -72,5 +72,4 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

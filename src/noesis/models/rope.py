@@ -1,9 +1,10 @@
 """Rotary position embeddings: inverse frequencies per scaling kind and the cos/sin tables.
 
 Static kinds (default, linear, llama3, yarn) precompute one table for the whole context at load.
-Length-dependent kinds (dynamic NTK, longrope) pick their frequencies from the sequence length a
-step reaches, as Hugging Face does, so each token is rotated with the frequencies in force when it
-was computed.
+Length-dependent kinds (dynamic NTK, longrope) rotate the token at position p with the frequencies
+of length max(p + 1, prompt_len): what Hugging Face's cached generation gives (the prompt at its
+length, then each new token at the length it makes), and the same however the sequence is chunked
+or recomputed after preemption.
 """
 
 from __future__ import annotations
@@ -25,39 +26,45 @@ class RotaryEmbedding:
         self.device = device
         self.length_dependent = rope.rope_type in ("dynamic", "longrope")
         inv_freq, self.scaling = _inv_freq(rope, max_position_embeddings, seq_len=None)
-        self.cos, self.sin = self._table(inv_freq.to(device), torch.arange(max_len, device=device))
+        positions = torch.arange(max_len, device=device)
+        self.cos, self.sin = self._table(inv_freq.to(device), positions)
+        if rope.rope_type == "longrope":  # the long factors, used past the original context
+            original = rope.original_max_position_embeddings
+            long_inv_freq, _ = _inv_freq(rope, max_position_embeddings, seq_len=original + 1)
+            self.long_cos, self.long_sin = self._table(long_inv_freq.to(device), positions)
 
     def _table(self, inv_freq: torch.Tensor, positions: torch.Tensor):
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
+        freqs = positions.float()[:, None] * inv_freq  # [T, dim/2]; inv_freq [dim/2] or [T, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
-    def cos_sin(self, positions: torch.Tensor, seq_lens: list[tuple[int, int]] | None = None):
+    def cos_sin(self, positions: torch.Tensor, seq_lens: list[tuple[int, ...]] | None = None):
         """cos/sin [T, dim] for `positions` [T].
 
-        `seq_lens` lists (num_tokens, length reached) per sequence in order; only length-dependent
-        kinds read it.
+        `seq_lens` lists, per sequence in batch order, (num_tokens, end) or (num_tokens, end,
+        prompt_len); only length-dependent kinds read it. Without prompt_len the step's end
+        stands in for it, so a whole chunk is rotated at the length it reaches.
         """
         if not self.length_dependent or seq_lens is None:
             return self.cos[positions], self.sin[positions]
-        cos_parts, sin_parts, start = [], [], 0
-        for num_tokens, length in seq_lens:
-            pos = positions[start : start + num_tokens]
-            if self._uses_base_table(length):
-                cos_parts.append(self.cos[pos])
-                sin_parts.append(self.sin[pos])
-            else:
-                inv_freq, _ = _inv_freq(self.rope, self.max_position_embeddings, seq_len=length)
-                cos, sin = self._table(inv_freq.to(self.device), pos)
-                cos_parts.append(cos)
-                sin_parts.append(sin)
-            start += num_tokens
-        return torch.cat(cos_parts), torch.cat(sin_parts)
+        lengths = self._token_lengths(positions, seq_lens)  # [T]
+        if self.rope.rope_type == "longrope":
+            long = (lengths > self.rope.original_max_position_embeddings)[:, None]
+            cos = torch.where(long, self.long_cos[positions], self.cos[positions])
+            return cos, torch.where(long, self.long_sin[positions], self.sin[positions])
+        inv_freq = _dynamic_inv_freq(self.rope, self.max_position_embeddings, lengths.float())
+        return self._table(inv_freq, positions)
 
-    def _uses_base_table(self, length: int) -> bool:
-        if self.rope.rope_type == "dynamic":
-            return length <= self.max_position_embeddings
-        return length <= self.rope.original_max_position_embeddings
+    def _token_lengths(self, positions: torch.Tensor, seq_lens: list[tuple[int, ...]]):
+        """max(p + 1, prompt_len) per token, without a host sync."""
+        counts = [entry[0] for entry in seq_lens]
+        floors = [entry[2] if len(entry) > 2 else entry[1] for entry in seq_lens]
+        floor = torch.repeat_interleave(
+            torch.tensor(floors, device=self.device),
+            torch.tensor(counts, device=self.device),
+            output_size=sum(counts),
+        )
+        return torch.maximum(positions + 1, floor)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,11 +93,8 @@ def _inv_freq(rope: RopeConfig, max_pos: int, seq_len: int | None) -> tuple[torc
     if kind == "linear":
         return base_inv / rope.factor, 1.0
     if kind == "dynamic":
-        length = max(seq_len or max_pos, max_pos)
-        base = rope.theta * ((rope.factor * length / max_pos) - (rope.factor - 1)) ** (
-            dim / (dim - 2)
-        )
-        return 1.0 / (base**exponents), 1.0
+        lengths = torch.tensor([float(seq_len or max_pos)])
+        return _dynamic_inv_freq(rope, max_pos, lengths)[0], 1.0
     if kind == "llama3":
         return _llama3(rope, base_inv), 1.0
     if kind == "yarn":
@@ -98,6 +102,16 @@ def _inv_freq(rope: RopeConfig, max_pos: int, seq_len: int | None) -> tuple[torc
     if kind == "longrope":
         return _longrope(rope, max_pos, exponents, seq_len)
     raise AssertionError(f"unhandled rope type {kind}")  # ModelConfig validated the kind
+
+
+def _dynamic_inv_freq(rope: RopeConfig, max_pos: int, lengths: torch.Tensor) -> torch.Tensor:
+    """NTK-aware inverse frequencies [N, dim/2] for sequence lengths [N]; the base ones up to
+    max_pos (the formula gives exactly theta there)."""
+    dim = rope.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=lengths.device).float() / dim
+    lengths = lengths.clamp(min=max_pos)
+    base = rope.theta * ((rope.factor * lengths / max_pos) - (rope.factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base[:, None] ** exponents)
 
 
 def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:

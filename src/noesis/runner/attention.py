@@ -1,7 +1,10 @@
-"""Attention over the paged KV cache with PyTorch SDPA: the portable backend (CPU, MPS, CUDA).
+"""Attention over the paged KV cache. Two halves per layer: `rope_and_store` rotates q/k and
+writes this step's keys/values into their slots; `attend` computes attention.
 
-Writes this step's keys/values into their slots, then attends: prefills one sequence at a time
+TorchPagedAttention is the portable backend (CPU, MPS, CUDA): prefills one sequence at a time
 (causal over cached + new keys), single-token decodes together over gathered page tables.
+TritonPagedAttention (CUDA) fuses RoPE with the cache write and runs decodes with a paged
+split-K kernel that reads pages in place; prefills still use SDPA.
 """
 
 from __future__ import annotations
@@ -9,57 +12,81 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from noesis.models.rope import apply_rotary
 from noesis.runner.inputs import AttentionMetadata
 
 
 class TorchPagedAttention:
     name = "torch-sdpa"
 
-    def __call__(
+    def rope_and_store(self, q, k, v, cos, sin, kv_cache, meta: AttentionMetadata):
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, num_slots, Hkv, d]
+        flat[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        return q, k
+
+    def attend(
         self,
         q: torch.Tensor,  # [T, H, d]
-        k: torch.Tensor,  # [T, Hkv, d]
+        k: torch.Tensor,  # [T, Hkv, d], rotated
         v: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, Hkv, d]
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        _write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not meta.prefills:  # decode-only step: every row is a decode, in order
+            return self.decode(q, kv_cache, meta, scale, sliding_window)
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            if span.ctx_len == span.q_len:  # nothing cached before: attend to the fresh k/v
+            if span.ctx_len == span.q_len and sliding_window is None:
+                # Nothing cached before: plain causal attention over the fresh k/v.
+                out[rows] = _sdpa(q[rows][None], k[rows][None], v[rows][None], None, scale)[0]
+                continue
+            if span.ctx_len == span.q_len:
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = _gather(kv_cache, span.pages[None], span.ctx_len)
                 keys, values = keys[0], values[0]
-            mask = _mask(
-                span.ctx_len - span.q_len, span.q_len, span.ctx_len, sliding_window, q.device
-            )
+            first = span.ctx_len - span.q_len
+            mask = _mask(first, span.q_len, span.ctx_len, sliding_window, q.device)
             out[rows] = _sdpa(q[rows][None], keys[None], values[None], mask, scale)[0]
         if meta.decode_rows.numel():
-            out[meta.decode_rows] = self._decode(q, kv_cache, meta, scale, sliding_window)
+            out[meta.decode_rows] = self.decode(
+                q[meta.decode_rows], kv_cache, meta, scale, sliding_window
+            )
         return out
 
-    @staticmethod
-    def _decode(q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None):
-        keys, values = _gather(kv_cache, meta.decode_pages, meta.max_decode_ctx)  # [Bd, L, Hkv, d]
+    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None):
+        """Single-token decodes: q [Bd, H, d] over their page tables -> [Bd, H, d]."""
+        keys, values = _gather(kv_cache, meta.decode_pages, meta.max_decode_ctx)  # [Bd, L, ..]
         key_pos = torch.arange(meta.max_decode_ctx, device=q.device)
         query_pos = (meta.decode_ctx_lens - 1)[:, None]
         mask = key_pos[None, :] <= query_pos  # [Bd, L]
         if window is not None:
             mask &= key_pos[None, :] > query_pos - window
-        mask = mask[:, None, None, :]  # [Bd, 1, 1, L]
-        return _sdpa(q[meta.decode_rows][:, None], keys, values, mask, scale)[:, 0]
+        return _sdpa(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]
 
 
-def _write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, num_slots, Hkv, d]
-    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+class TritonPagedAttention(TorchPagedAttention):
+    name = "triton-paged"
+
+    def __init__(self) -> None:
+        from noesis.kernels import triton_kernels
+
+        self.kernels = triton_kernels
+
+    def rope_and_store(self, q, k, v, cos, sin, kv_cache, meta: AttentionMetadata):
+        self.kernels.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
+        return q, k
+
+    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None):
+        return self.kernels.paged_decode_attention(
+            q, kv_cache[0], kv_cache[1], meta.decode_pages, meta.decode_ctx_lens, scale,
+            meta.max_decode_ctx, window,
+        )
 
 
 def _gather(kv_cache: torch.Tensor, pages: torch.Tensor, length: int):
@@ -80,12 +107,14 @@ def _mask(first_pos: int, q_len: int, ctx_len: int, window: int | None, device) 
 
 
 def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
-    """q [B, Lq, H, d], k/v [B, Lk, Hkv, d], boolean mask broadcastable to [B, H, Lq, Lk]."""
+    """q [B, Lq, H, d], k/v [B, Lk, Hkv, d]; boolean mask broadcastable to [B, H, Lq, Lk], or
+    None for plain causal attention (Lq == Lk), which lets SDPA pick its flash kernel."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )

@@ -11,7 +11,8 @@ from noesis.engine.sequence import Sequence
 from noesis.kv.cache import KVPool
 from noesis.models.decoder import DecoderLM
 from noesis.models.rope import RotaryEmbedding
-from noesis.runner.attention import TorchPagedAttention
+from noesis.runner.attention import TorchPagedAttention, TritonPagedAttention
+from noesis.runner.cuda_graph import CudaGraphRunner
 from noesis.runner.inputs import AttentionMetadata, ForwardInputs, PrefillSpan
 from noesis.sampling.sampler import Penalties, SamplerOutput, SamplingTensors, sample
 
@@ -35,21 +36,42 @@ class ModelRunner:
         self.kv = kv
         self.rope = rope
         self.device = device
-        self.attention = attention or TorchPagedAttention()
+        self.attention = attention or default_attention(device)
         self.vocab_size = model.config.vocab_size
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> float:
+        """Capture decode graphs (CUDA only); returns the seconds it took."""
+        self.graphs = CudaGraphRunner(
+            self.model, self.kv, self.rope, self.attention, max_batch, max_model_len
+        )
+        self.graphs.capture()
+        return self.graphs.capture_seconds
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> dict[int, SampledToken]:
         """Execute one step; returns seq_id -> sampled token for sequences that sample."""
-        inputs = self.prepare(plan)
-        cos, sin = self.rope.cos_sin(inputs.positions, inputs.rope_lengths)
-        hidden = self.model(inputs.input_ids, cos, sin, self.kv.layers, inputs.attn, self.attention)
         sampling = [item.seq for item in plan.scheduled if item.samples]
+        if self.graphs is not None and self.graphs.can_replay(plan):
+            logits = self.graphs.replay(plan)
+        else:
+            logits = self.forward_eager(plan)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [B, V]
         out = sample(logits, self.sampling_tensors(sampling))
         return self._to_host(out, sampling)
+
+    def forward_eager(self, plan: StepPlan) -> torch.Tensor | None:
+        """Logits [B, V] of the sampling sequences (None when none samples)."""
+        inputs = self.prepare(plan)
+        cos, sin = self.rope.cos_sin(inputs.positions, inputs.rope_lengths)
+        hidden, residual = self.model(
+            inputs.input_ids, cos, sin, self.kv.layers, inputs.attn, self.attention
+        )
+        if not inputs.sample_rows.numel():
+            return None
+        rows = inputs.sample_rows
+        return self.model.compute_logits(hidden[rows], residual[rows])  # [B, V]
 
     def prepare(self, plan: StepPlan) -> ForwardInputs:
         token_ids, positions, slots, sample_rows, rope_lengths = [], [], [], [], []
@@ -105,6 +127,8 @@ class ModelRunner:
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [seq.params for seq in seqs]
+        if all(p.greedy and not p.needs_penalties and p.logprobs is None for p in params):
+            return SamplingTensors.greedy()
         filtering = any(p.needs_filtering for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingTensors(
@@ -169,3 +193,13 @@ class ModelRunner:
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def default_attention(device: torch.device):
+    """The Triton paged backend on CUDA when Triton imports; the SDPA backend elsewhere."""
+    if device.type == "cuda":
+        try:
+            return TritonPagedAttention()
+        except ImportError:
+            pass
+    return TorchPagedAttention()

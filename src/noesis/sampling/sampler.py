@@ -17,15 +17,20 @@ from noesis.sampling.noise import exponential
 class SamplingTensors:
     """Per-row sampling knobs for one step, on the logits' device."""
 
-    temperature: torch.Tensor  # [B] float; 0 means greedy
+    temperature: torch.Tensor | None  # [B] float; 0 means greedy
     top_k: torch.Tensor | None  # [B] long, 0 = off; None when no row filters
     top_p: torch.Tensor | None  # [B] float
     min_p: torch.Tensor | None  # [B] float
-    seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64: index of the token being sampled within its request
+    seeds: torch.Tensor | None  # [B] int64
+    steps: torch.Tensor | None  # [B] int64: index of the token being sampled in its request
     all_greedy: bool
     penalties: Penalties | None = None
     max_logprobs: int | None = None  # largest k any row asked for
+
+    @classmethod
+    def greedy(cls) -> SamplingTensors:
+        """Plain argmax for every row: no per-row tensors to build or copy."""
+        return cls(None, None, None, None, None, None, all_greedy=True)
 
 
 @dataclass(slots=True)
@@ -51,7 +56,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
     if t.all_greedy:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax(logits)
     else:
         token_ids = _sample_random(logits, t)
     if t.max_logprobs is None:
@@ -82,8 +87,32 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
     noise = exponential(t.seeds, t.steps, logits.shape[-1])
     # argmax(p / E) == argmax(log p - log E); log-space keeps tiny probabilities apart.
-    sampled = (scaled - noise.log()).argmax(dim=-1)
-    return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+    sampled = argmax(scaled - noise.log())
+    return torch.where(greedy_rows, argmax(logits), sampled)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax [B, V] -> [B] in two stages (chunk maxima, then the best chunk).
+
+    A single-pass argmax over a 128k vocabulary runs one block per row and dominates a small
+    model's decode step on a GPU; splitting the row spreads it over many blocks. Ties resolve to
+    the lowest index, as torch.argmax does.
+    """
+    batch, vocab = x.shape
+    chunks = _chunk_count(vocab)
+    if chunks == 1:
+        return x.argmax(dim=-1)
+    values, index = x.view(batch, chunks, vocab // chunks).max(dim=-1)  # [B, C]
+    best = values.argmax(dim=-1, keepdim=True)  # [B, 1]
+    return (best * (vocab // chunks) + index.gather(1, best))[:, 0]
+
+
+def _chunk_count(vocab: int) -> int:
+    """Largest divisor of vocab up to 256 that leaves chunks of at least 256 entries."""
+    for chunks in range(min(256, vocab // 256), 1, -1):
+        if vocab % chunks == 0:
+            return chunks
+    return 1
 
 
 def filter_logits(logits, top_k, top_p, min_p) -> torch.Tensor:

@@ -169,11 +169,15 @@ def _answer(task: Task, declared: list[str]) -> _Answer:
         return _Answer([final], None, None, task.answer)
     if task.tool not in declared:
         thinking, final = _missing_tool(task.tool)
-        return _Answer([{"role": "assistant", "thinking": thinking, "content": final}], None, None, CANNOT)
+        return _Answer(
+            [{"role": "assistant", "thinking": thinking, "content": final}], None, None, CANNOT
+        )
     assert task.arguments is not None and task.finish is not None
     result = execute(task.tool, json.dumps(task.arguments))
     if result.startswith(ERROR_PREFIX):
-        final_text = f"Sorry, the {task.tool} tool returned an error: {result[len(ERROR_PREFIX):]}."
+        final_text = (
+            f"Sorry, the {task.tool} tool returned an error: {result[len(ERROR_PREFIX) :]}."
+        )
         answer = ERROR_ANSWER
     else:
         final_text, answer = task.finish(result)
@@ -289,7 +293,10 @@ def _ternary(rng: random.Random, split: Split) -> tuple[str, str]:
     a, b, c = (lexicon.number(rng, 2, 200, split) for _ in range(3))
     op1, op2 = rng.choice("+-*"), rng.choice("+-*")
     if rng.random() < 0.5:
-        return f"({a}{op1}{b}){op2}{c}", f"What is {a} {_WORD_OPS[op1]} {b}, then {_WORD_OPS[op2]} {c}?"
+        return (
+            f"({a}{op1}{b}){op2}{c}",
+            f"What is {a} {_WORD_OPS[op1]} {b}, then {_WORD_OPS[op2]} {c}?",
+        )
     return f"{a}{op1}{b}{op2}{c}", f"What is {a} {_WORD_OPS[op1]} {b} {_WORD_OPS[op2]} {c}?"
 
 
@@ -393,7 +400,9 @@ def _add_days(rng: random.Random, split: Split) -> Task:
     shown = _spoken(start, rng)
     before = rng.random() < 0.3
     if before:
-        question = rng.choice(("What date is {n} days before {d}?", "What was the date {n} days before {d}?"))
+        question = rng.choice(
+            ("What date is {n} days before {d}?", "What was the date {n} days before {d}?")
+        )
     else:
         question = rng.choice(
             (
@@ -410,7 +419,9 @@ def _add_days(rng: random.Random, split: Split) -> Task:
         return f"{days} days {word} {start} is {result}.", result
 
     arguments = {"date": start, "days": signed}
-    return Task("add_days", question.format(n=days, d=shown), "add_days", arguments, thinking, finish)
+    return Task(
+        "add_days", question.format(n=days, d=shown), "add_days", arguments, thinking, finish
+    )
 
 
 def _days_between(rng: random.Random, split: Split) -> Task:
@@ -508,7 +519,11 @@ def _string_tool(rng: random.Random, split: Split) -> Task:
 
 
 _STRING_ASK = {
-    "reverse": ("Reverse the word '{w}'.", "What is '{w}' spelled backwards?", "Write {w} backwards."),
+    "reverse": (
+        "Reverse the word '{w}'.",
+        "What is '{w}' spelled backwards?",
+        "Write {w} backwards.",
+    ),
     "uppercase": ("Write '{w}' in uppercase.", "Convert '{w}' to capital letters."),
     "lowercase": ("Make '{w}' lowercase.", "Write '{w}' in lowercase letters."),
     "length": (
@@ -534,17 +549,31 @@ _STRING_FINAL = {
 
 
 _SMALL_TALK = (
-    (("Hi!", "Hello!", "Hello there.", "Good morning!", "Hey, how are you?"),
-     "The user is greeting me. No tool is needed.", "Hello! How can I help you today?", "help"),
-    (("Thanks!", "Thank you very much.", "Thanks for the help."),
-     "The user is thanking me. No tool is needed.",
-     "You're welcome! Let me know if you need anything else.", "welcome"),
-    (("Who are you?", "What is your name?"),
-     "The user asks who I am. No tool is needed.",
-     "I am noesis-tiny, a small assistant that answers questions and uses tools.", "noesis-tiny"),
-    (("Bye!", "Goodbye.", "See you later."),
-     "The user is saying goodbye. No tool is needed.", "Goodbye! Have a nice day.", "Goodbye"),
-)  # fmt: skip
+    (
+        ("Hi!", "Hello!", "Hello there.", "Good morning!", "Hey, how are you?"),
+        "The user is greeting me. No tool is needed.",
+        "Hello! How can I help you today?",
+        "help",
+    ),
+    (
+        ("Thanks!", "Thank you very much.", "Thanks for the help."),
+        "The user is thanking me. No tool is needed.",
+        "You're welcome! Let me know if you need anything else.",
+        "welcome",
+    ),
+    (
+        ("Who are you?", "What is your name?"),
+        "The user asks who I am. No tool is needed.",
+        "I am noesis-tiny, a small assistant that answers questions and uses tools.",
+        "noesis-tiny",
+    ),
+    (
+        ("Bye!", "Goodbye.", "See you later."),
+        "The user is saying goodbye. No tool is needed.",
+        "Goodbye! Have a nice day.",
+        "Goodbye",
+    ),
+)
 
 
 def _greeting(rng: random.Random, split: Split) -> Task:
@@ -563,19 +592,32 @@ def _recall(rng: random.Random, split: Split) -> Task:
     facts = (
         (f"My name is {name}. What is my name?", f"Your name is {name}.", name),
         (f"I live in {city}. Where do I live?", f"You live in {city}.", city),
-        (f"My favorite color is {color}. What is my favorite color?",
-         f"Your favorite color is {color}.", color),
+        (
+            f"My favorite color is {color}. What is my favorite color?",
+            f"Your favorite color is {color}.",
+            color,
+        ),
         (f"I have {n} {item}. How many {item} do I have?", f"You have {n} {item}.", str(n)),
-        (f"The door code is {code}. What is the door code?", f"The door code is {code}.", str(code)),
-        (f"My {animal} is called {name}. What is my {animal} called?",
-         f"Your {animal} is called {name}.", name),
+        (
+            f"The door code is {code}. What is the door code?",
+            f"The door code is {code}.",
+            str(code),
+        ),
+        (
+            f"My {animal} is called {name}. What is my {animal} called?",
+            f"Your {animal} is called {name}.",
+            name,
+        ),
         (f"{name} is {n} years old. How old is {name}?", f"{name} is {n} years old.", str(n)),
         (f"{name} was born on {date}. When was {name} born?", f"{name} was born on {date}.", date),
         (f"The meeting is on {day}. Which day is the meeting?", f"The meeting is on {day}.", day),
-    )  # fmt: skip
+    )
     question, final, answer = rng.choice(facts)
     thinking = rng.choice(
-        ("The answer is in the message. No tool is needed.", "The user already told me. Answer directly.")
+        (
+            "The answer is in the message. No tool is needed.",
+            "The user already told me. Answer directly.",
+        )
     )
     return Task("recall", question, thinking=thinking, final=final, answer=answer)
 
@@ -586,16 +628,28 @@ def _writing(rng: random.Random, split: Split) -> Task:
     kind = rng.randrange(3)
     if kind == 0:
         question = rng.choice(("Write a sentence about a {a}.", "Say something about a {a}."))
-        return Task("writing", question.format(a=animal),
-                    thinking=f"A sentence about a {animal}. I can write it myself, no tool is needed.",
-                    final=english.about(rng, animal), answer=animal)  # fmt: skip
+        return Task(
+            "writing",
+            question.format(a=animal),
+            thinking=f"A sentence about a {animal}. I can write it myself, no tool is needed.",
+            final=english.about(rng, animal),
+            answer=animal,
+        )
     if kind == 1:
-        return Task("writing", f"Tell me a short story about {name} and a {animal}.",
-                    thinking="A short story. I can write it myself, no tool is needed.",
-                    final=english.story(rng, name, animal), answer=name)  # fmt: skip
-    return Task("writing", rng.choice(("Tell me a fact.", "Tell me something interesting.")),
-                thinking="The user wants a simple fact. No tool is needed.",
-                final=rng.choice(english.FACTS), answer=None)  # fmt: skip
+        return Task(
+            "writing",
+            f"Tell me a short story about {name} and a {animal}.",
+            thinking="A short story. I can write it myself, no tool is needed.",
+            final=english.story(rng, name, animal),
+            answer=name,
+        )
+    return Task(
+        "writing",
+        rng.choice(("Tell me a fact.", "Tell me something interesting.")),
+        thinking="The user wants a simple fact. No tool is needed.",
+        final=rng.choice(english.FACTS),
+        answer=None,
+    )
 
 
 GENERATORS: dict[str, Callable[[random.Random, Split], Task]] = {

@@ -7,7 +7,8 @@ import random
 
 ANIMALS = tuple(
     """cat dog fox owl rabbit horse bear deer duck goat mouse frog lion tiger wolf otter panda
-    turtle squirrel hedgehog pony sheep crow swan beaver badger whale dolphin penguin parrot""".split()
+    turtle squirrel hedgehog pony sheep crow swan beaver badger whale dolphin penguin
+    parrot""".split()
 )
 COLORS = tuple("red blue green yellow orange purple brown white black grey pink golden".split())
 ADJECTIVES = tuple(
@@ -162,6 +163,6 @@ def document(rng: random.Random, names: tuple[str, ...]) -> str:
         return paragraph(rng, names, rng.randint(3, 7))
     if kind == 2:
         return " ".join(rng.sample(FACTS, rng.randint(3, 6)))
-    name = rng.choice(names)
+    name, place = rng.choice(names), rng.choice(PLACES)
     day = paragraph(rng, names, rng.randint(2, 4))
-    return f"Dear diary, today was a good day. {day} Tomorrow {name} will go to the {rng.choice(PLACES)}."
+    return f"Dear diary, today was a good day. {day} Tomorrow {name} will go to the {place}."

@@ -67,9 +67,8 @@ def _developer(instructions: str, tools: list[dict[str, Any]]) -> str:
         sections.append(f"# Instructions\n\n{instructions}")
     if tools:
         declared = "".join(typescript(tool) + "\n\n" for tool in tools)
-        sections.append(
-            f"# Tools\n\n## functions\n\nnamespace functions {{\n\n{declared}}} // namespace functions"
-        )
+        namespace = f"namespace functions {{\n\n{declared}}} // namespace functions"
+        sections.append(f"# Tools\n\n## functions\n\n{namespace}")
     body = "\n\n".join(sections)
     return f"{START}developer{MESSAGE}{body}{END}"
 
@@ -120,7 +119,9 @@ def _conversation(messages: list[dict[str, Any]], closing: bool) -> list[str]:
         elif role == "tool":
             name = message.get("name") or last_call
             body = content_text(message.get("content"))
-            parts.append(f"{START}functions.{name} to=assistant{CHANNEL}commentary{MESSAGE}{body}{END}")
+            parts.append(
+                f"{START}functions.{name} to=assistant{CHANNEL}commentary{MESSAGE}{body}{END}"
+            )
         else:
             raise ValueError(f"unexpected {role!r} message after the first message")
     return parts
@@ -133,7 +134,9 @@ def _assistant(message: dict[str, Any], is_last: bool) -> list[str]:
     calls = message.get("tool_calls") or []
     for call in calls:
         function = _call_function(call)
-        header = f"{START}assistant{CHANNEL}commentary to=functions.{function['name']} {CONSTRAIN}json"
+        header = (
+            f"{START}assistant{CHANNEL}commentary to=functions.{function['name']} {CONSTRAIN}json"
+        )
         parts.append(f"{header}{MESSAGE}{_arguments(function['arguments'])}{CALL}")
     if not calls:
         close = RETURN if is_last else END

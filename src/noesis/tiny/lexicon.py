@@ -1,7 +1,8 @@
 """Word lists, the country table and the train/held-out rule for every entity the corpus uses.
 
-The split is a pure function of the entity (a stable hash of its text), so training and held-out data
-never share a person's name, a word for string tools, a country, a number or a year, whatever the seed.
+The split is a pure function of the entity (a stable hash of its text), so training and held-out
+data never share a person's name, a word for string tools, a country, a number or a year, whatever
+the seed.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ HELDOUT_PERCENT = 20
 
 
 def split_of(entity: str | int) -> Split:
-    """Train or held-out, from a stable hash of the entity's text (about 20% held out)."""
-    bucket = zlib.crc32(str(entity).lower().encode()) % 100
+    """Train or held-out, from a stable hash of the entity's text (about 20% held out). A number
+    and its negative share a split, since both show the same digits."""
+    text = str(abs(entity)) if isinstance(entity, int) else entity.lower()
+    bucket = zlib.crc32(text.encode()) % 100
     return "heldout" if bucket < HELDOUT_PERCENT else "train"
 
 
@@ -37,14 +40,15 @@ def number(rng: random.Random, low: int, high: int, split: Split) -> int:
 
 FIRST_NAMES = tuple(
     """
-    Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Leo Maria Noah Olivia Paul Quinn
-    Rosa Sam Tara Umar Vera Walter Xena Yusuf Zoe Aaron Bella Caleb Daisy Ethan Fiona George Hannah
-    Isaac Julia Kevin Laura Mason Nina Oscar Peter Ruby Simon Tina Victor Wendy Adam Beth Chloe Daniel
-    Elena Felix Gina Hugo Ivy Jonas Kira Liam Mila Nora Owen Pia Rhys Sofia Theo Uma Vince Willa
-    Amir Bianca Cyrus Dora Elias Freya Gavin Helga Igor Jada Kofi Lena Marco Nadia Omar Priya Raul
-    Sana Tomas Ursula Viktor Yara Zane Ada Boris Clara Dmitri Edith Farah Gustav Hiro Ingrid Jamal
-    Kai Lucia Mateo Nell Otto Petra Rami Selma Tobias Vivian Wes Yuki Anton Celia Dario Enzo Flora
-    Hector Iris Jorge Keiko Lars Mina Nils Ola Pedro Rita Sven Talia Ugo Wanda Ximena Zara Basil Cora
+    Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Leo Maria Noah Olivia Paul
+    Quinn Rosa Sam Tara Umar Vera Walter Xena Yusuf Zoe Aaron Bella Caleb Daisy Ethan Fiona
+    George Hannah Isaac Julia Kevin Laura Mason Nina Oscar Peter Ruby Simon Tina Victor Wendy
+    Adam Beth Chloe Daniel Elena Felix Gina Hugo Ivy Jonas Kira Liam Mila Nora Owen Pia Rhys
+    Sofia Theo Uma Vince Willa Amir Bianca Cyrus Dora Elias Freya Gavin Helga Igor Jada Kofi
+    Lena Marco Nadia Omar Priya Raul Sana Tomas Ursula Viktor Yara Zane Ada Boris Clara Dmitri
+    Edith Farah Gustav Hiro Ingrid Jamal Kai Lucia Mateo Nell Otto Petra Rami Selma Tobias
+    Vivian Wes Yuki Anton Celia Dario Enzo Flora Hector Iris Jorge Keiko Lars Mina Nils Ola
+    Pedro Rita Sven Talia Ugo Wanda Ximena Zara Basil Cora
     """.split()
 )
 
@@ -52,18 +56,19 @@ STRING_WORDS = tuple(
     """
     apple banana cherry garden window river mountain candle lantern pencil rocket planet silver
     thunder blossom castle dragon forest meadow pillow basket marble orange purple yellow winter
-    summer autumn spring harbor island jungle kettle ladder mirror needle ocean parrot pepper puzzle
-    rabbit saddle tunnel velvet wallet zebra anchor bridge cactus dinner engine falcon guitar hammer
-    igloo jacket kitten lemon magnet napkin oyster pirate quartz ribbon sunset teapot umbrella violin
-    walnut yogurt bottle button carpet cookie copper cotton dolphin feather flower ginger helmet honey
-    insect jigsaw kayak locket meteor muffin noodle octopus paddle pebble pickle pumpkin quiver radish
-    sandal shadow shovel spider stable stone sugar table tiger tomato tower turtle valley wagon whistle
-    wizard acorn almond bamboo beacon biscuit blanket breeze bucket butter camel canvas carrot cedar
-    chalk circus clover cobweb comet coral cradle crystal daisy desert diamond donkey eagle ember
-    fabric fiddle fossil galaxy garlic glacier goblet gravel hazel hedge horizon iceberg ivory jasmine
-    kernel kiwi lagoon lava lizard llama maple melody mitten monkey mossy nectar nutmeg olive orchid
-    otter panda peanut pearl pigeon plume pony poppy quail raven reef robin saffron salmon scarf
-    shell sparrow squid tulip tundra vapor walrus willow wren yarn zipper beetle canyon dune emerald
+    summer autumn spring harbor island jungle kettle ladder mirror needle ocean parrot pepper
+    puzzle rabbit saddle tunnel velvet wallet zebra anchor bridge cactus dinner engine falcon
+    guitar hammer igloo jacket kitten lemon magnet napkin oyster pirate quartz ribbon sunset
+    teapot umbrella violin walnut yogurt bottle button carpet cookie copper cotton dolphin
+    feather flower ginger helmet honey insect jigsaw kayak locket meteor muffin noodle octopus
+    paddle pebble pickle pumpkin quiver radish sandal shadow shovel spider stable stone sugar
+    table tiger tomato tower turtle valley wagon whistle wizard acorn almond bamboo beacon
+    biscuit blanket breeze bucket butter camel canvas carrot cedar chalk circus clover cobweb
+    comet coral cradle crystal daisy desert diamond donkey eagle ember fabric fiddle fossil
+    galaxy garlic glacier goblet gravel hazel hedge horizon iceberg ivory jasmine kernel kiwi
+    lagoon lava lizard llama maple melody mitten monkey mossy nectar nutmeg olive orchid otter
+    panda peanut pearl pigeon plume pony poppy quail raven reef robin saffron salmon scarf shell
+    sparrow squid tulip tundra vapor walrus willow wren yarn zipper beetle canyon dune emerald
     forge grape heron jewel koala linen mango nickel onion prism quill rose satin thistle
     """.split()
 )
@@ -131,7 +136,9 @@ class Country:
 
 
 def _stem(rng: random.Random, syllables: int) -> str:
-    parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)]
+    parts = [
+        rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
+    ]
     return "".join(parts).capitalize()
 
 

@@ -83,13 +83,17 @@ def validate(schema: dict[str, Any], value: Any, path: str = "arguments") -> lis
         return _validate_object(schema, value, path)
     if kind == "array":
         item_schema = schema.get("items", {})
-        return [p for i, item in enumerate(value) for p in validate(item_schema, item, f"{path}[{i}]")]
+        return [
+            p for i, item in enumerate(value) for p in validate(item_schema, item, f"{path}[{i}]")
+        ]
     return _validate_scalar(schema, value, path)
 
 
 def _validate_object(schema: dict[str, Any], value: dict[str, Any], path: str) -> list[str]:
     properties = schema.get("properties", {})
-    problems = [f"{path} lacks required {key!r}" for key in schema.get("required", []) if key not in value]
+    problems = [
+        f"{path} lacks required {key!r}" for key in schema.get("required", []) if key not in value
+    ]
     for key, item in value.items():
         if key in properties:
             problems += validate(properties[key], item, f"{path}.{key}")
@@ -243,7 +247,9 @@ def round_quantity(value: float) -> str:
 def _run_convert(args: dict[str, Any]) -> str:
     source, target = UNITS[args["from_unit"]], UNITS[args["to_unit"]]
     result = convert(args["value"], source, target)
-    return f"{format_number(args['value'])} {source.plural} = {round_quantity(result)} {target.plural}"
+    return (
+        f"{format_number(args['value'])} {source.plural} = {round_quantity(result)} {target.plural}"
+    )
 
 
 # ---------------------------------------------------------------- dates
@@ -326,7 +332,9 @@ TOOLS: dict[str, Tool] = {
         Tool(
             "calculator",
             "Evaluates an arithmetic expression with + - * / % ** and parentheses.",
-            _object({"expression": _string("The expression, e.g. (2+3)*4", minLength=1)}, ["expression"]),
+            _object(
+                {"expression": _string("The expression, e.g. (2+3)*4", minLength=1)}, ["expression"]
+            ),
             _run_calculator,
         ),
         Tool(

@@ -1,0 +1,216 @@
+"""GPU decode benchmark: noesis vs transformers on random bf16 checkpoints shaped like
+Llama-3.2-1B and Llama-3.1-8B, against the copy-bandwidth roofline measured in the same run.
+
+    python benchmarks/gpu_decode.py --shapes llama-1b,llama-8b --json out.json [--hf-compile]
+
+Per shape: cold load and graph-capture time; batch-1 decode tok/s (128-token prompt, 256 new
+tokens, greedy); time to first token for 128- and 2048-token prompts; GPU time and host overhead
+per decode step; throughput at batch 8/32/64/128 against a roofline that counts weights plus KV
+read per step; transformers eager (and, with --hf-compile, static cache + torch.compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_random_checkpoint import make_checkpoint  # noqa: E402
+
+TIED = {"llama-1b": True, "llama-8b": False}
+NEW_TOKENS = 256
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.float32)  # 2 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (1 << 31) / statistics.median(times[2:])
+
+
+def prompt_ids(length: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 30000, (length,), generator=gen).tolist()
+
+
+def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
+    from noesis import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=128,
+              progress=False)
+    ready = time.perf_counter() - t0
+    engine = llm.engine
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+
+    def run(prompts, new):
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.token_ids) == new for o in outs)
+        return elapsed
+
+    p128, p2048 = prompt_ids(128), prompt_ids(2048, 1)
+    run([p128], 8)
+    ttft128 = statistics.median(run([p128], 1) for _ in range(5))
+    ttft2048 = statistics.median(run([p2048], 1) for _ in range(3))
+    total = statistics.median(run([p128], NEW_TOKENS) for _ in range(3))
+    step_s = (total - ttft128) / (NEW_TOKENS - 1)
+    gpu_step_s = graph_step_seconds(engine)
+    result = {
+        "weight_bytes": weight_bytes,
+        "ready_s": ready, "load_s": engine.timings["load_s"],
+        "capture_s": engine.timings["capture_s"],
+        "ttft_128_ms": ttft128 * 1e3, "ttft_2048_ms": ttft2048 * 1e3,
+        "decode_tok_s": 1 / step_s, "step_ms": step_s * 1e3,
+        "gpu_step_ms": gpu_step_s * 1e3, "host_overhead_ms": (step_s - gpu_step_s) * 1e3,
+        "roofline_tok_s": bandwidth / weight_bytes,
+        "batches": {},
+    }
+    kv_per_token = 2 * engine.loaded.config.num_layers * engine.loaded.config.kv_size * 2
+    for batch in batches:
+        prompts = [prompt_ids(128, 100 + i) for i in range(batch)]
+        first = run(prompts, 1)
+        full = run(prompts, NEW_TOKENS)
+        decode_tok_s = batch * (NEW_TOKENS - 1) / (full - first)
+        avg_ctx = 128 + NEW_TOKENS / 2
+        step_bytes = weight_bytes + batch * avg_ctx * kv_per_token
+        roofline = batch * bandwidth / step_bytes
+        result["batches"][batch] = {
+            "total_tok_s": batch * NEW_TOKENS / full, "decode_tok_s": decode_tok_s,
+            "roofline_tok_s": roofline, "share_of_roofline": decode_tok_s / roofline,
+        }
+    return result
+
+
+def graph_step_seconds(engine) -> float:
+    """GPU time of one batch-1 decode graph replay (median over many, timed with events)."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return float("nan")
+    graph = graphs.graphs[1]
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[5:])
+
+
+def bench_transformers(path: Path, compile_: bool) -> dict:
+    import transformers
+
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    load = time.perf_counter() - t0
+    ids = torch.tensor([prompt_ids(128)], device="cuda")
+    kwargs = {"do_sample": False, "pad_token_id": 0}
+    if compile_:
+        kwargs["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def run(new):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        torch.cuda.synchronize()
+        assert out.shape[1] == 128 + new
+        return time.perf_counter() - start
+
+    t0 = time.perf_counter()
+    run(8)
+    first_result = time.perf_counter() - t0
+    ttft = statistics.median(run(1) for _ in range(3))
+    total = run(NEW_TOKENS)
+    return {"load_s": load, "first_result_s": first_result, "ttft_128_ms": ttft * 1e3,
+            "decode_tok_s": (NEW_TOKENS - 1) / (total - ttft)}
+
+
+def release_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="llama-1b,llama-8b")
+    parser.add_argument("--batches", default="8,32,64,128")
+    parser.add_argument("--hf-compile", default="", help="shapes to also run with torch.compile")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench"))
+    parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "gpu_decode.json")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    bandwidth = copy_bandwidth()
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_bandwidth_TBps": bandwidth / 1e12, "shapes": {}}
+    print(f"{report['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    for shape in args.shapes.split(","):
+        t0 = time.perf_counter()
+        path = make_checkpoint(args.workdir / shape, shape, "bfloat16", 8192, 0, TIED[shape],
+                               "cuda")
+        print(f"{shape}: checkpoint written in {time.perf_counter() - t0:.1f}s", flush=True)
+        entry = {"noesis": bench_noesis(path, bandwidth, batches)}
+        release_memory()
+        print(json.dumps(entry["noesis"], indent=1), flush=True)
+        if not args.no_hf:
+            entry["transformers eager"] = bench_transformers(path, False)
+            release_memory()
+            if shape in args.hf_compile.split(","):
+                entry["transformers static+compile"] = bench_transformers(path, True)
+                release_memory()
+        report["shapes"][shape] = entry
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    bw = report["copy_bandwidth_TBps"]
+    print(f"\n{report['device']}, copy bandwidth {bw:.2f} TB/s, torch {report['torch']}")
+    print(f"{'shape':<10}{'engine':<30}{'tok/s b1':>10}{'roofline':>10}{'share':>7}"
+          f"{'TTFT128':>9}{'TTFT2048':>10}{'load+cap s':>11}")
+    for shape, entry in report["shapes"].items():
+        roof = entry["noesis"]["roofline_tok_s"]
+        for name, r in entry.items():
+            ttft2k = f"{r['ttft_2048_ms']:.1f}" if "ttft_2048_ms" in r else "-"
+            setup = r.get("ready_s", r.get("first_result_s", r["load_s"]))
+            print(f"{shape:<10}{name:<30}{r['decode_tok_s']:>10.1f}{roof:>10.0f}"
+                  f"{r['decode_tok_s'] / roof:>7.0%}{r['ttft_128_ms']:>9.1f}{ttft2k:>10}"
+                  f"{setup:>11.1f}")
+        n = entry["noesis"]
+        print(f"{'':<10}noesis step: {n['step_ms']:.3f} ms = GPU {n['gpu_step_ms']:.3f} + host "
+              f"{n['host_overhead_ms']:.3f}; load {n['load_s']:.1f}s, "
+              f"capture {n['capture_s']:.1f}s")
+        for batch, b in n["batches"].items():
+            print(f"{'':<10}batch {batch:>3}: decode {b['decode_tok_s']:>8.0f} tok/s "
+                  f"({b['share_of_roofline']:.0%} of {b['roofline_tok_s']:.0f}), "
+                  f"end-to-end {b['total_tok_s']:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Where a decode step's GPU time goes: per-kernel totals from the PyTorch profiler (eager path,
+same kernels as the captured graph), batch 1 and batch 64.
+
+    python benchmarks/profile_decode.py --shape llama-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_random_checkpoint import make_checkpoint  # noqa: E402
+
+
+def profile(llm, batch: int, new: int) -> None:
+    from noesis import SamplingParams
+
+    prompts = [list(range(10 + i, 138 + i)) for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        llm.generate(prompts, params)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name[:90]]
+            entry[0] += event.device_time_total
+            entry[1] += 1
+    steps = new
+    total = sum(v[0] for v in totals.values())
+    print(f"\nbatch {batch}: {total / steps / 1e3:.3f} ms GPU per step (prefill included)")
+    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"  {us / steps:9.1f} us/step {count // steps:5d}x  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-8b")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench"))
+    args = parser.parse_args()
+    from noesis import LLM
+
+    tie = args.shape == "llama-1b"
+    path = args.workdir / args.shape
+    if not (path / "config.json").exists():
+        make_checkpoint(path, args.shape, "bfloat16", 8192, 0, tie, "cuda")
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=4096, cuda_graphs=False,
+              progress=False)
+    for batch in (1, 64):
+        profile(llm, batch, 32)
+
+
+if __name__ == "__main__":
+    main()

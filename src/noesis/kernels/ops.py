@@ -1,0 +1,49 @@
+"""Fused operations, dispatched on the tensors' device: Triton on CUDA, PyTorch elsewhere.
+
+The PyTorch versions are the reference: they round exactly where the Hugging Face eager code
+rounds, so float32 parity holds on CPU. Set NOESIS_DISABLE_TRITON=1 to force them on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _triton():
+    if os.environ.get("NOESIS_DISABLE_TRITON") == "1":
+        return None
+    try:
+        from noesis.kernels import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and _triton() is not None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual); residual None normalizes x alone."""
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return _triton().add_rms_norm(x, residual, weight, eps)
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(dtype), x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [T, 2I] laid out [gate | up]."""
+    if use_triton(gate_up):
+        return _triton().silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,291 @@
+"""Triton kernels for the CUDA decode path: paged attention (split-K), fused add+RMSNorm,
+SiLU-and-multiply, and RoPE fused with the KV-cache write.
+
+Each has a PyTorch reference (kernels/reference.py) and a test that compares them; on a CPU the
+tests run these kernels under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ---- paged decode attention -------------------------------------------------------------------
+
+def partition_size(batch: int) -> int:
+    """Context tokens per split: small batches need many splits to fill the GPU."""
+    return 64 if batch <= 8 else 256
+
+
+@triton.jit
+def _paged_decode_partial(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    scale, window,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_tb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(lens_ptr + b)
+    start = split * PART
+    if start >= ctx_len:
+        return
+    end = tl.minimum(start + PART, ctx_len)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kv_head * GROUP + rows
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+    query_pos = ctx_len - 1
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for block in range(0, PART, BLOCK_N):  # fixed trip count; masks cut the tail
+        tokens = start + block + tl.arange(0, BLOCK_N)
+        tok_ok = tokens < end
+        if HAS_WINDOW:
+            tok_ok = tok_ok & (tokens > query_pos - window)
+        pages = tl.load(tables_ptr + b * stride_tb + tokens // PAGE_SIZE, mask=tok_ok, other=0)
+        offsets = pages * stride_kp + (tokens % PAGE_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = tok_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        scores = tl.where(tok_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = tl.load(v_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv.to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+    out_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+    tl.store(out_ptrs + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_decode_reduce(
+    part_out_ptr, part_lse_ptr, lens_ptr, out_ptr,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    PART: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx_len = tl.load(lens_ptr + b)
+    num_splits = tl.cdiv(ctx_len, PART)
+    splits = tl.arange(0, MAX_SPLITS)
+    split_ok = splits < num_splits
+    lse = tl.load(part_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_ok,
+                  other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.where(split_ok, tl.exp(lse - lse_max), 0.0)
+    total = tl.sum(weights, axis=0)
+    total = tl.where(total == 0.0, 1.0, total)
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    parts = tl.load(
+        part_out_ptr + b * stride_ob + head * stride_oh + splits[:, None] * stride_os
+        + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+    out = tl.sum(parts * (weights / total)[:, None], axis=0)
+    tl.store(out_ptr + b * stride_fb + head * stride_fh + dims, out, mask=dim_ok)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, d]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, d]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_pages] int
+    ctx_lens: torch.Tensor,  # [B] int
+    scale: float,
+    max_ctx: int,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context. Returns [B, H, d]."""
+    batch, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert ctx_lens.stride(0) == 1 and q.stride(2) == 1 and k_cache.stride(3) == 1
+    group = num_heads // num_kv_heads
+    partition = partition_size(batch)
+    max_splits = max(1, triton.cdiv(max_ctx, partition))
+    part_out = torch.empty(batch, num_heads, max_splits, head_dim, device=q.device,
+                           dtype=torch.float32)
+    part_lse = torch.empty(batch, num_heads, max_splits, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    dim_pad = triton.next_power_of_2(head_dim)
+    _paged_decode_partial[(batch, num_kv_heads, max_splits)](
+        q, k_cache, v_cache, block_tables, ctx_lens, part_out, part_lse,
+        scale, window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=min(64 if dim_pad <= 128 else 32, partition),
+        PART=partition, HAS_WINDOW=window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    _paged_decode_reduce[(batch, num_heads)](
+        part_out, part_lse, ctx_lens, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=triton.next_power_of_2(max_splits),
+        PART=partition, num_warps=4,
+    )
+    return out
+
+
+# ---- fused add + RMSNorm ------------------------------------------------------------------------
+
+
+@triton.jit
+def _add_rms_norm(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N,
+    stride_x, stride_r, stride_o, stride_ro,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the model dtype first, as the eager residual stream is.
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(
+        x.dtype), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) for x [T, D]; residual None means x alone."""
+    rows, dim = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    _add_rms_norm[(rows,)](
+        x, residual if residual is not None else x, weight, out, res_out, eps, dim,
+        x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
+        res_out.stride(0), HAS_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(dim), num_warps=8 if dim >= 2048 else 4,
+    )
+    return out, res_out
+
+
+# ---- SiLU(gate) * up ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_mul(x_ptr, out_ptr, N, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=ok, other=0.0)
+    # Match eager rounding: silu(gate) is rounded to the model dtype before the multiply.
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(out_ptr + row * stride_o + cols, act * up, mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] laid out [gate | up]; returns [T, I]."""
+    rows, width = gate_up.shape
+    half = width // 2
+    out = torch.empty(rows, half, device=gate_up.device, dtype=gate_up.dtype)
+    block = 1024
+    _silu_mul[(rows, triton.cdiv(half, block))](
+        gate_up, out, half, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
+    return out
+
+
+# ---- RoPE + KV-cache write ----------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_write(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_kt, stride_vt, stride_cos, stride_slot, stride_cache_head,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROT_HALF: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # 0..H-1: query heads; H..H+Hkv-1: key heads
+    is_key = head >= NUM_HEADS
+    kv_head = head - NUM_HEADS
+    if is_key:
+        head_ptr = k_ptr + token * stride_kt + kv_head * HEAD_DIM
+    else:
+        head_ptr = q_ptr + token * stride_qt + head * HEAD_DIM
+    half = tl.arange(0, HALF_PAD)
+    ok = half < ROT_HALF
+    cos = tl.load(cos_ptr + token * stride_cos + half, mask=ok, other=1.0)
+    sin = tl.load(sin_ptr + token * stride_cos + half, mask=ok, other=0.0)
+    x1 = tl.load(head_ptr + half, mask=ok, other=0.0)
+    x2 = tl.load(head_ptr + ROT_HALF + half, mask=ok, other=0.0)
+    dtype = x1.dtype
+    # Eager rounds each product to the model dtype before the add; do the same.
+    r1 = (x1 * cos.to(dtype)).to(dtype) - (x2 * sin.to(dtype)).to(dtype)
+    r2 = (x2 * cos.to(dtype)).to(dtype) + (x1 * sin.to(dtype)).to(dtype)
+    tl.store(head_ptr + half, r1, mask=ok)
+    tl.store(head_ptr + ROT_HALF + half, r2, mask=ok)
+    if is_key:
+        slot = tl.load(slots_ptr + token)
+        dst = k_cache_ptr + slot * stride_slot + kv_head * stride_cache_head
+        tl.store(dst + half, r1, mask=ok)
+        tl.store(dst + ROT_HALF + half, r2, mask=ok)
+        rest = 2 * ROT_HALF + tl.arange(0, DIM_PAD)  # channels past the rotary part pass through
+        rest_ok = rest < HEAD_DIM
+        tl.store(dst + rest, tl.load(head_ptr + rest, mask=rest_ok, other=0.0), mask=rest_ok)
+        dims = tl.arange(0, DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        v_src = v_ptr + token * stride_vt + kv_head * HEAD_DIM
+        v_dst = v_cache_ptr + slot * stride_slot + kv_head * stride_cache_head
+        tl.store(v_dst + dims, tl.load(v_src + dims, mask=dim_ok, other=0.0), mask=dim_ok)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> None:
+    """Rotate q [T, H, d] and k [T, Hkv, d] in place and store k, v at cache `slots`.
+
+    Heads must be packed (stride d) inside each token row; rows may be strided (views of a fused
+    qkv). cos/sin are [T, rotary_dim] with equal halves; channels past rotary_dim pass through.
+    k_cache/v_cache are [num_pages, page_size, Hkv, d], addressed by slot = page * size + offset.
+    """
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert slots.stride(0) == 1 and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    assert q.stride(1) == head_dim and k.stride(1) == head_dim and v.stride(1) == head_dim
+    rot_half = cos.shape[1] // 2
+    _rope_write[(tokens, num_heads + num_kv_heads)](
+        q, k, v, cos, sin, slots, k_cache, v_cache,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        ROT_HALF=rot_half, HALF_PAD=triton.next_power_of_2(rot_half),
+        DIM_PAD=triton.next_power_of_2(head_dim), num_warps=1,
+    )

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: wire types, routes, SSE streaming, errors, metrics."""

@@ -1,0 +1,370 @@
+"""The FastAPI app: routes, API key, lifespan of the engine thread, and `serve()` under uvicorn.
+
+A generation request goes: body bytes -> validated wire type (protocol.py) -> token ids and one
+SamplingParams per choice -> Generation (engine requests) -> JSON or SSE (responses.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from noesis.engine.async_engine import AsyncEngine, EngineDead
+from noesis.engine.engine import Engine
+from noesis.errors import PromptTooLong
+from noesis.server.config import ServeConfig
+from noesis.server.errors import APIError, install_handlers
+from noesis.server.generation import Generation
+from noesis.server.metrics import CONTENT_TYPE, Metrics
+from noesis.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from noesis.server.responses import (
+    ChatFormat,
+    CompletionFormat,
+    Format,
+    Reply,
+    TokenTexts,
+    full_response,
+    sse_stream,
+)
+
+log = logging.getLogger("noesis.server")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class ServerState:
+    """What the routes share: the engine thread, tokenizer, limits, metrics, draining flag."""
+
+    def __init__(self, config: ServeConfig, engine: Engine) -> None:
+        self.config = config
+        self.model_name = config.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_tokens_limit = config.max_tokens_limit or engine.max_model_len
+        max_in_flight = engine.config.max_num_seqs + config.max_queue
+        self.engine = AsyncEngine(engine, max_in_flight)
+        self.metrics = Metrics(self.engine)
+        self.token_text = TokenTexts(engine.tokenizer)
+        self.created = int(time.time())
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        """Refuse new work now; end what still runs once the shutdown deadline has passed."""
+        if self.draining:
+            return
+        self.draining = True
+        error = EngineDead(f"the server shut down ({self.config.shutdown_timeout:g} s deadline)")
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.config.shutdown_timeout, self.engine.fail_all, error)
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, self.config.model):
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    def check_n(self, n: int) -> None:
+        if n > self.config.max_n:
+            raise APIError(
+                400,
+                f"n={n} is over this server's limit of {self.config.max_n} choices per request "
+                "(noesis serve --max-n)",
+                "n",
+                "invalid_value",
+            )
+
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """The per-choice token budget: capped by config, and never past the context."""
+        limit = self.max_tokens_limit
+        if requested is not None and requested > limit:
+            raise APIError(
+                400,
+                f"max_tokens={requested} is over this server's limit of {limit} tokens per "
+                "choice (noesis serve --max-tokens-limit)",
+                "max_tokens",
+                "invalid_value",
+            )
+        if prompt_len >= self.max_model_len:
+            raise PromptTooLong(prompt_len, self.max_model_len)
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            return min(limit, room)
+        if requested > room:
+            raise APIError(
+                400,
+                f"this model's context holds {self.max_model_len} tokens, but the prompt has "
+                f"{prompt_len} and max_tokens asks for {requested} more "
+                f"({prompt_len + requested} in all): lower max_tokens or shorten the prompt",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return requested
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        text = self.tokenizer.apply_chat_template(body.template_messages())
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+
+    async def generate(
+        self,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        fmt: Format,
+        echo: list[str] | None = None,
+    ) -> Response:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        params = [
+            body.sampling_params(
+                self.max_tokens(body.requested_max_tokens, len(p)), body.logprobs_k
+            )
+            for p in prompts
+        ]
+        generation = Generation(self.engine, self.metrics)
+        await generation.start(prompts, params)
+        n = body.n
+        reply = Reply(
+            model=self.model_name,
+            token_text=self.token_text,
+            logprobs_k=body.logprobs_k,
+            prompt_lens=[len(p) for p in prompts for _ in range(n)],
+            echo=[e for e in echo for _ in range(n)] if echo else None,
+        )
+        if body.stream:
+            events = sse_stream(fmt, reply, generation, n, body.include_usage)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        outputs = await _unless_disconnected(request, generation.results())
+        if outputs is None:
+            return Response(status_code=499)  # nobody is listening
+        return JSONResponse(full_response(fmt, reply, outputs, n))
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _body(request: Request, model, limit: int):
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the body is over {limit} bytes", code="body_too_large")
+    body = await request.body()
+    if len(body) > limit:
+        raise APIError(413, f"the body is over {limit} bytes", code="body_too_large")
+    return parse_body(body, model)
+
+
+# ---- routes ----------------------------------------------------------------------------------
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def require_api_key(request: Request) -> None:
+    key = _state(request).config.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(
+            401,
+            "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    body = await _body(request, ChatCompletionRequest, state.config.max_body_bytes)
+    state.check_model(body.model)
+    body.refuse_unsupported()
+    state.check_n(body.n)
+    prompt = state.chat_prompt(body)
+    return await state.generate(request, body, [prompt], ChatFormat)
+
+
+@v1.post("/completions")
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    body = await _body(request, CompletionRequest, state.config.max_body_bytes)
+    state.check_model(body.model)
+    body.refuse_unsupported()
+    state.check_n(body.n)
+    prompts = state.completion_prompts(body)
+    echo = None
+    if body.echo:
+        echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts()]
+    return await state.generate(request, body, prompts, CompletionFormat, echo)
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+@v1.get("/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> dict:
+    state = _state(request)
+    state.check_model(model_id)
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "noesis",
+        "max_model_len": state.max_model_len,
+    }
+
+
+async def health(request: Request) -> JSONResponse:
+    state = _state(request)
+    if state.draining or not state.engine.alive:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+class HTTPMetrics:
+    """Pure ASGI middleware counting responses by route and status (streams stay untouched)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self.metrics.http_requests.labels(route, str(status)).inc()
+
+
+def create_app(config: ServeConfig, engine: Engine) -> FastAPI:
+    state = ServerState(config, engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        yield
+        state.draining = True
+        await state.engine.shutdown()
+
+    app = FastAPI(title="noesis", lifespan=lifespan)
+    app.state.server = state
+    install_handlers(app)
+    app.include_router(v1)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_middleware(HTTPMetrics, metrics=state.metrics)
+    return app
+
+
+# ---- running it ------------------------------------------------------------------------------
+
+
+def serve(config: ServeConfig) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, drain within the deadline, return 0."""
+    _setup_logging(config.log_level)
+    engine = Engine(config.model, config.engine)
+    app = create_app(config, engine)
+    server = _Uvicorn(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            # a backstop: begin_drain ends streams at the deadline, this cancels what lingers
+            timeout_graceful_shutdown=config.shutdown_timeout + 5,
+            access_log=config.log_level == "debug",
+        ),
+        app.state.server,
+    )
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler for SIGTERM
+    # turns that into a normal return, so a graceful stop exits 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    logger = logging.getLogger("noesis")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn.Server that marks the app draining (503 for new work) as soon as a signal lands."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        with contextlib.suppress(RuntimeError):  # no loop yet: nothing runs, nothing to drain
+            loop = asyncio.get_running_loop()
+            log.info("signal %s: draining (deadline %g s)", sig, self.state.config.shutdown_timeout)
+            loop.call_soon_threadsafe(self.state.begin_drain)
+        super().handle_exit(sig, frame)

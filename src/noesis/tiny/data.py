@@ -1,0 +1,146 @@
+"""Dataset build for noesis-tiny: corpus texts -> trained tokenizer -> token streams on disk, and
+the batch sampler that training reads them with.
+
+Run as `python -m noesis.tiny.data --out DIR`. Texts are made and encoded in parallel chunks; the
+result depends only on the configuration, never on the number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from noesis.tiny import corpus, tokenizer
+from noesis.tiny.harmony import ENDOFTEXT
+from noesis.tiny.lexicon import Split
+
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    seed: int = 0
+    train_items: int = 400_000  # conversations and documents
+    heldout_items: int = 4_000
+    tokenizer_items: int = 40_000  # the first train items, used to fit the BPE merges
+    doc_every: int = 6  # every 6th item is a plain English document
+    vocab_size: int = tokenizer.VOCAB_SIZE
+    chunk_items: int = 5_000
+
+
+def build(out: Path, config: DataConfig, workers: int = 0) -> dict[str, object]:
+    """Write tokenizer/, {split}.tokens.npy, {split}.starts.npy and meta.json under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    began = time.time()
+    texts = corpus.texts(config.seed, "train", config.tokenizer_items, doc_every=config.doc_every)
+    tok = tokenizer.train(texts, config.vocab_size)
+    tokenizer.save(tok, out / TOKENIZER_DIR)
+    meta: dict[str, object] = {"config": asdict(config), "tokenizer_seconds": time.time() - began}
+    for split, count in (("train", config.train_items), ("heldout", config.heldout_items)):
+        tokens, starts = encode_split(tok, config, split, count, workers)
+        np.save(out / f"{split}.tokens.npy", tokens)
+        np.save(out / f"{split}.starts.npy", starts)
+        meta[f"{split}_tokens"] = int(tokens.size)
+        meta[f"{split}_items"] = count
+    meta["seconds"] = time.time() - began
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def encode_split(
+    tok: Tokenizer, config: DataConfig, split: Split, count: int, workers: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """One uint16 stream of a split's items, each followed by <|endoftext|>, and the item starts."""
+    jobs = [
+        (
+            tok.to_str(),
+            config.seed,
+            split,
+            start,
+            min(config.chunk_items, count - start),
+            config.doc_every,
+        )
+        for start in range(0, count, config.chunk_items)
+    ]
+    workers = workers or os.cpu_count() or 1
+    if workers == 1 or len(jobs) == 1:
+        parts = [_encode_chunk(job) for job in jobs]
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            parts = list(pool.map(_encode_chunk, jobs))
+    lengths = np.concatenate([p for p, _ in parts])
+    tokens = np.concatenate([t for _, t in parts])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return tokens, starts
+
+
+def _encode_chunk(job: tuple[str, int, Split, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    tokenizer_json, seed, split, start, count, doc_every = job
+    tok = Tokenizer.from_str(tokenizer_json)
+    separator = tok.token_to_id(ENDOFTEXT)
+    texts = list(corpus.texts(seed, split, count, start=start, doc_every=doc_every))
+    encoded = [e.ids + [separator] for e in tok.encode_batch(texts, add_special_tokens=False)]
+    lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
+    tokens = np.fromiter(
+        (i for ids in encoded for i in ids), dtype=np.uint16, count=int(lengths.sum())
+    )
+    return lengths, tokens
+
+
+class TokenStream:
+    """Windows of `seq_len + 1` tokens that each begin at the start of an item."""
+
+    def __init__(self, directory: Path, split: Split, seq_len: int):
+        self.tokens = np.load(directory / f"{split}.tokens.npy", mmap_mode="r")
+        starts = np.load(directory / f"{split}.starts.npy")
+        self.starts = starts[starts + seq_len + 1 <= self.tokens.size]
+        if self.starts.size == 0:
+            raise ValueError(f"{split} split has fewer than {seq_len + 1} tokens")
+        self.seq_len = seq_len
+
+    def batch(self, rng: np.random.Generator, batch_size: int) -> np.ndarray:
+        picked = rng.choice(self.starts, size=batch_size)
+        return self.windows(picked)
+
+    def windows(self, starts: np.ndarray) -> np.ndarray:
+        offsets = np.arange(self.seq_len + 1)
+        return np.asarray(
+            self.tokens[starts[:, None] + offsets[None, :]], dtype=np.int64
+        )  # [B, T+1]
+
+    def fixed_batches(self, batch_size: int, num_batches: int) -> list[np.ndarray]:
+        """The same evaluation batches every time: evenly spaced item starts."""
+        count = min(self.starts.size, batch_size * num_batches)
+        picked = self.starts[np.linspace(0, self.starts.size - 1, count).astype(np.int64)]
+        return [self.windows(picked[i : i + batch_size]) for i in range(0, count, batch_size)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=DataConfig.seed)
+    parser.add_argument("--train-items", type=int, default=DataConfig.train_items)
+    parser.add_argument("--heldout-items", type=int, default=DataConfig.heldout_items)
+    parser.add_argument("--tokenizer-items", type=int, default=DataConfig.tokenizer_items)
+    parser.add_argument("--workers", type=int, default=0, help="0: one per CPU")
+    args = parser.parse_args(argv)
+    config = DataConfig(
+        seed=args.seed,
+        train_items=args.train_items,
+        heldout_items=args.heldout_items,
+        tokenizer_items=min(args.tokenizer_items, args.train_items),
+    )
+    meta = build(args.out, config, args.workers)
+    print(json.dumps(meta, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny checkpoints built once per session, and the models loaded from them."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import SPECS, build_checkpoint, load_reference
+
+from noesis import LLM
+
+# The models here are tiny: intra-op threads only add synchronization, and on a loaded 2-core CI
+# machine spinning OpenMP workers made the suite several times slower.
+torch.set_num_threads(1)
+
+
+class Checkpoints:
+    """Builds each named checkpoint of `checkpoints.SPECS` once, and caches what is loaded from it.
+
+    Cached LLMs are shared between tests: a test must leave its engine idle (every request
+    finished or aborted), which is itself something the tests check.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._paths: dict[str, Path] = {}
+        self._llms: dict[tuple[str, str], LLM] = {}
+        self._references: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+    def path(self, name: str) -> Path:
+        if name not in self._paths:
+            spec = SPECS[name]
+            self._paths[name] = build_checkpoint(
+                self.root / name, spec.family, **copy.deepcopy(spec.config)
+            )
+        return self._paths[name]
+
+    def copy(self, name: str, dest: Path) -> Path:
+        """A private copy of a checkpoint that a test may damage."""
+        return Path(shutil.copytree(self.path(name), dest))
+
+    def llm(self, name: str, dtype: str = "float32") -> LLM:
+        key = (name, dtype)
+        if key not in self._llms:
+            self._llms[key] = self.new_llm(name, dtype=dtype)
+        return self._llms[key]
+
+    def new_llm(self, name: str, dtype: str = "float32", **options) -> LLM:
+        options = {**SPECS[name].engine, **options}
+        return LLM(str(self.path(name)), device="cpu", dtype=dtype, progress=False, **options)
+
+    def reference(self, name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        key = (name, dtype)
+        if key not in self._references:
+            self._references[key] = load_reference(self.path(name), dtype)
+        return self._references[key]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("checkpoints"))

@@ -1,0 +1,103 @@
+"""Triton kernels vs their PyTorch references, run by Triton's interpreter on the CPU.
+
+On the lent GPU the same comparisons run compiled (tests/gpu/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from noesis.kernels import ops, triton_kernels  # noqa: E402
+from noesis.models.rope import apply_rotary  # noqa: E402
+from noesis.runner.attention import TorchPagedAttention  # noqa: E402
+from noesis.runner.inputs import AttentionMetadata  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    pages_per = [-(-n // page_size) for n in ctx_lens]
+    num_pages = sum(pages_per) + 3
+    kv = torch.randn(2, num_pages, page_size, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_pages, generator=gen).tolist()  # scattered pages
+    tables, start = [], 0
+    for n in pages_per:
+        tables.append(order[start : start + n] + [0] * (max(pages_per) - n))
+        start += n
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    return q, kv, torch.tensor(tables), torch.tensor(ctx_lens)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size", "ctx_lens", "window"),
+    [
+        (4, 2, 16, 4, [1, 7, 16, 300], None),
+        (8, 1, 32, 16, [520, 3], None),  # MQA, several splits
+        (4, 4, 24, 8, [33, 64], None),  # MHA, head_dim not a power of two
+        (6, 2, 16, 4, [40, 300], 17),  # sliding window
+    ],
+)
+def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, page_size,
+                                                  ctx_lens, window):
+    batch = len(ctx_lens)
+    q, kv, tables, lens = paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens)
+    meta = AttentionMetadata(page_size, torch.empty(0, dtype=torch.long), [],
+                             torch.arange(batch), tables, lens, max(ctx_lens))
+    scale = head_dim**-0.5
+    expected = TorchPagedAttention().decode(q, kv, meta, scale, window)
+    out = torch.full_like(q, float("nan"))
+    out = triton_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, scale,
+                                                max(ctx_lens), window)
+    assert not out.isnan().any()
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_add_rms_norm_matches_reference():
+    gen = torch.Generator().manual_seed(1)
+    x, res = torch.randn(5, 96, generator=gen), torch.randn(5, 96, generator=gen)
+    w = torch.randn(96, generator=gen)
+    out, new_res = triton_kernels.add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = ops.add_rms_norm(x.clone(), res.clone(), w, 1e-6)  # CPU: torch path
+    assert torch.allclose(new_res, ref_res) and rel_err(out, ref_out) < 1e-6
+    out_alone, _ = triton_kernels.add_rms_norm(x, None, w, 1e-6)
+    assert rel_err(out_alone, ops.add_rms_norm(x, None, w, 1e-6)[0]) < 1e-6
+
+
+def test_silu_mul_matches_reference():
+    x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2))
+    assert rel_err(triton_kernels.silu_mul(x), ops.silu_mul(x)) < 1e-6
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
+def test_rope_write_kv_matches_reference(rotary_dim):
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, head_dim, page_size = 5, 4, 2, 16, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    angles = torch.randn(tokens, rotary_dim // 2, generator=gen)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+    slots = torch.tensor([9, 2, 14, 0, 7])
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    ref_q, ref_k, ref_v = (t.reshape(tokens, -1, head_dim) for t in
+                           qkv.clone().split([q_size, kv_size, kv_size], -1))
+    ref_q, ref_k = apply_rotary(ref_q, cos, sin), apply_rotary(ref_k, cos, sin)
+    kv = torch.zeros(2, 4, page_size, kv_heads, head_dim)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], -1))
+    triton_kernels.rope_write_kv(q, k, v, cos, sin, slots, kv[0], kv[1])
+    assert rel_err(q, ref_q) < 1e-6 and rel_err(k, ref_k) < 1e-6
+    flat = kv.view(2, -1, kv_heads, head_dim)
+    assert torch.allclose(flat[0][slots], ref_k) and torch.allclose(flat[1][slots], ref_v)
+    untouched = [s for s in range(16) if s not in slots.tolist()]
+    assert flat[:, untouched].abs().sum() == 0
