@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CPU_TORCH := torch==2.13.0
+# Triton runs the CUDA kernels' tests on the CPU through its interpreter.
+CPU_TRITON := triton==3.6.0
 BUNDLED := models/noesis-tiny
 DEMO_CHECKPOINT := .cache/random-tiny
 
-.PHONY: setup test test-all lint run bench-cpu clean
+.PHONY: setup test test-all lint run serve bench-cpu clean
 
 setup: $(VENV)/.installed
 
@@ -16,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
 		if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-		else $(PY) -m pip install -q $(CPU_TORCH); fi; \
+		else $(PY) -m pip install -q $(CPU_TORCH) $(CPU_TRITON); fi; \
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
@@ -26,6 +28,7 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/e2e -q
 
 test-all: setup
 	$(PY) -m pytest tests -q -m "not gpu"

@@ -9,9 +9,10 @@ many streaming /v1/completions requests in flight (random token prompts of --pro
 --output-len new tokens via ignore_eos) until `--requests` x concurrency have been sent or
 `--max-seconds` have passed. It reports output tokens/s, requests/s, p50/p99 time to first token
 and per-token latency (mean gap between a request's tokens after the first), and errors.
-`--chat-turns N` also plays one N-turn chat (the whole history resent every turn) and reports the
-time to first token per turn: flat with prefix caching, growing without it. Prints a table and
-writes JSON.
+Requests ask for logprobs=0 so that every token is an event: random-weight checkpoints emit ids
+that their small tokenizer decodes to no text. `--chat-turns N` also plays one N-turn chat (the
+whole history resent every turn) and reports the time to first token per turn: flat with prefix
+caching, growing without it. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def completion_body(args: argparse.Namespace, rng: random.Random) -> dict:
         "max_tokens": args.output_len,
         "temperature": args.temperature,
         "ignore_eos": True,
+        "logprobs": 0,  # one event per token even where random ids decode to no text
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -202,6 +204,13 @@ async def chat_turns(args: argparse.Namespace, url: str) -> list[dict]:
     messages = [{"role": "system", "content": "You are a benchmark."}]
     turns = []
     async with httpx.AsyncClient(timeout=args.request_timeout) as client:
+        warm = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "warm up"}],
+            "max_tokens": 2,
+            "stream": True,
+        }
+        await chat_request(client, url + "/v1/chat/completions", warm)  # first-call costs
         for turn in range(args.chat_turns):
             words = " ".join(rng.choice(WORDS) for _ in range(args.turn_words))
             messages.append({"role": "user", "content": f"Turn {turn}: {words}"})
@@ -211,6 +220,8 @@ async def chat_turns(args: argparse.Namespace, url: str) -> list[dict]:
                 "max_tokens": args.turn_reply_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
+                "logprobs": True,
+                "top_logprobs": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
@@ -235,7 +246,8 @@ async def chat_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple
                 continue
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices", []):
-                if choice["delta"].get("content") and not sample.ttft:
+                has_token = choice["delta"].get("content") or choice.get("logprobs")
+                if has_token and not sample.ttft:
                     sample.ttft = time.perf_counter() - start
                 reply += choice["delta"].get("content") or ""
             if chunk.get("usage"):

@@ -39,7 +39,7 @@ class Spec:
 
 
 # Rotary parameters are chosen so that each scaling kind changes the result within a 6-token prompt
-# plus 32 generated tokens (see test_parity.py::test_rope_scaling_is_exercised).
+# plus 32 generated tokens (test_parity.py checks that they do).
 LONG_FACTOR = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]
 SHORT_FACTOR = [1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0, 2.5]
 SPECS = {
@@ -57,9 +57,17 @@ SPECS = {
     "llama-mqa": Spec("llama", {"num_key_value_heads": 1}),
     "mistral-swa": Spec("mistral", {"sliding_window": 8}),
     "qwen2-tied": Spec("qwen2", {"tie_word_embeddings": True}),
+    # Qwen slides only in layers >= max_window_layers: here all of them, and none
+    "qwen2-sliding": Spec(
+        "qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}
+    ),
+    "qwen3-sliding-unused": Spec(
+        "qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+    ),
     "qwen3": Spec("qwen3"),  # head_dim 24 != hidden 64 / 4 heads
     "phi3": Spec("phi3"),
     "phi3-partial-rotary": Spec("phi3", {"partial_rotary_factor": 0.5}),
+    "phi3-sliding": Spec("phi3", {"sliding_window": 8}),  # Phi-3 mini ships a 2047 window
     # rope scaling kinds, all on the "llama" weights
     "llama-linear": Spec("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
     "llama-dynamic": Spec(
@@ -187,8 +195,9 @@ def reset_rope_state(model) -> None:
 
 
 @torch.no_grad()
-def hf_generate(model, prompt: list[int], max_new_tokens: int):
-    """Greedy tokens and the per-step log-softmax rows [N, V] from HF's own cached generate().
+def hf_generate(model, prompt: list[int], max_new_tokens: int, **options):
+    """Greedy tokens and the per-step log-softmax rows [N, V] (of the raw logits) from HF's own
+    cached generate(); `options` go to generate (e.g. repetition_penalty).
 
     EOS is disabled by clearing generation_config.eos_token_id (min_new_tokens would instead mask
     the EOS logit and change the distribution), and the attention mask is passed explicitly
@@ -205,6 +214,7 @@ def hf_generate(model, prompt: list[int], max_new_tokens: int):
         output_logits=True,
         return_dict_in_generate=True,
         pad_token_id=0,
+        **options,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = torch.stack([step[0].float().log_softmax(-1) for step in out.logits])

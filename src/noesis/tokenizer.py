@@ -30,6 +30,7 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._template = None  # compiled on first use
 
     @classmethod
     def from_dir(cls, model_dir: Path, model_eos: tuple[int, ...] = ()) -> Tokenizer:
@@ -67,7 +68,7 @@ class Tokenizer:
                 "or chat_template.jinja); use generate() with a plain prompt instead"
             )
         try:
-            template = _jinja_env().from_string(self.chat_template)
+            template = self._compiled_template()
             return template.render(
                 messages=messages,
                 tools=tools,
@@ -78,6 +79,12 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template failed to render: {exc}") from exc
+
+
+    def _compiled_template(self):
+        if self._template is None:
+            self._template = _jinja_env().from_string(self.chat_template)
+        return self._template
 
 
 class IncrementalDetokenizer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -229,3 +230,24 @@ def test_async_client_concurrent(server):
 
     texts = asyncio.run(run())
     assert len(texts) == 8
+
+
+def test_sse_events_are_ascii_json_lines(server):
+    """Every event is one `data:` line of ASCII JSON: no client line splitter can cut it."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "日本語 café 🙂",
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 7,
+        "logprobs": 3,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        raw = response.read()
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    for event in events[:-1]:
+        assert event.startswith(b"data: ") and event.isascii() and b"\n" not in event
+        assert "choices" in json.loads(event[6:])

@@ -9,7 +9,7 @@ import time
 import httpx
 from conftest import MODEL_NAME
 
-DEADLINE = 2.0
+DEADLINE = 3.0
 NUM_LONG = 24
 
 
@@ -40,7 +40,7 @@ def _stream(server, max_tokens: int, result: dict, started: threading.Event) -> 
 def test_sigterm_drains_then_exits_zero(start_server):
     server = start_server("--shutdown-timeout", str(DEADLINE))
     short, longs = {}, [{} for _ in range(NUM_LONG)]
-    jobs = [(40, short)] + [(1000, r) for r in longs]
+    jobs = [(20, short)] + [(1000, r) for r in longs]
     events = [threading.Event() for _ in jobs]
     threads = [
         threading.Thread(target=_stream, args=(server, n, result, event))

@@ -22,9 +22,17 @@ PROMPTS = [[0, 5, 9, 77, 100, 21], [0, 3] * 20, list(range(2, 90)), [0, 44, 45]]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("gpu") / "llama", "llama", std=0.3,
-                            dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
-                            num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3)
+    return build_checkpoint(
+        tmp_path_factory.mktemp("gpu") / "llama",
+        "llama",
+        std=0.3,
+        dtype=torch.bfloat16,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+    )
 
 
 def make_llm(path, **options):
@@ -41,8 +49,9 @@ def test_triton_kernels_match_references_compiled():
     gen = torch.Generator(device="cuda").manual_seed(0)
     ctx = [1, 17, 300, 1030]
     pages = [-(-n // 16) for n in ctx]
-    kv = torch.randn(2, sum(pages) + 1, 16, 8, 128, device="cuda", generator=gen,
-                     dtype=torch.bfloat16)
+    kv = torch.randn(
+        2, sum(pages) + 1, 16, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16
+    )
     perm = torch.randperm(sum(pages), device="cuda", generator=gen).tolist()
     tables, start = [], 0
     for n in pages:
@@ -53,8 +62,7 @@ def test_triton_kernels_match_references_compiled():
     q = torch.randn(4, 32, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
     meta = AttentionMetadata(16, None, [], torch.arange(4, device="cuda"), tables, lens, max(ctx))
     ref = TorchPagedAttention().decode(q.float(), kv.float(), meta, 128**-0.5, None)
-    out = triton_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, 128**-0.5,
-                                                max(ctx))
+    out = triton_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, 128**-0.5, max(ctx))
     err = (out.float() - ref).norm() / ref.norm()
     assert err < 1e-2, err
     x = torch.randn(7, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -98,8 +106,9 @@ def test_bf16_parity_with_transformers(checkpoint):
     ref = ref.cuda().eval()
     llm = make_llm(checkpoint)
     prompt = PROMPTS[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                                                logprobs=1))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    )[0]
     # bf16 tolerance: logits of this random model reach tens, where a bf16 ulp is 0.06-0.125
     # and three layers of rounding differ between the engines; so logprobs agree to 0.25 at
     # worst and 0.08 on average, and greedy tokens agree wherever the top-2 margin is clear.
@@ -120,10 +129,12 @@ def test_seeded_sampling_independent_of_batch(checkpoint):
     from noesis import SamplingParams
 
     llm = make_llm(checkpoint)
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=20, seed=1234,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.9, top_p=0.9, top_k=50, max_tokens=20, seed=1234, ignore_eos=True
+    )
     alone = llm.generate([PROMPTS[2]], params)[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
-    mixed = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]],
-                         [others, params, others, others])[1].token_ids
+    mixed = llm.generate(
+        [PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]], [others, params, others, others]
+    )[1].token_ids
     assert alone == mixed

@@ -71,17 +71,9 @@ def test_chunked_prefill_equals_whole_prefill(checkpoints, name, chunk):
     assert_idle(chunked_llm)
 
 
-LENGTH_DEPENDENT = pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: the runner passes rope (num_tokens, end) per sequence, so dynamic NTK and "
-    "longrope rotate a whole chunk (or a recompute after preemption) at the length the step "
-    "reaches instead of each position p at max(p + 1, prompt_len). Fix: in ModelRunner.prepare, "
-    "rope_lengths.append((count, start + count, seq.prompt_len)); RotaryEmbedding takes it.",
-)
 
 
 @pytest.mark.parametrize("name", ["llama-dynamic", "phi3-longrope"])
-@LENGTH_DEPENDENT
 def test_chunked_prefill_length_dependent_rope(checkpoints, name):
     """A 20-token prompt past the 16-token window, prefilled in chunks of 7."""
     prompt = PROMPTS[1]
@@ -129,6 +121,23 @@ def test_batched_equals_one_at_a_time_sampled(checkpoints):
     assert [o.token_ids for o in batched] != [o.token_ids for o in greedy]
 
 
+def test_staggered_arrivals_equal_one_at_a_time(checkpoints):
+    """Continuous batching: requests join while others decode (and prefill in chunks)."""
+    llm = checkpoints.new_llm("llama", max_num_batched_tokens=9)
+    engine = llm.engine
+    params = [greedy_params(), SamplingParams(seed=5, **SAMPLED)] * 2
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(PROMPTS, params, strict=True)]
+    ids, finished = [], {}
+    for prompt, sp in zip(PROMPTS, params, strict=True):
+        ids.append(engine.add_request(prompt, sp))
+        for _ in range(3):
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [finished[i].token_ids for i in ids] == alone
+    assert_idle(llm)
+
+
 def test_seed_reproducible_across_batch_compositions(checkpoints):
     llm = checkpoints.llm("llama")
     target = SamplingParams(seed=1234, **SAMPLED)
@@ -157,6 +166,37 @@ def test_requests_without_seed_differ(checkpoints):
     assert first.token_ids != second.token_ids
 
 
+# ---- prefix caching ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama",
+        "mistral-swa",
+        "qwen3",
+    ],
+)
+def test_prefix_caching_gives_the_same_tokens(checkpoints, name):
+    shared = list(range(40, 60))  # 20 tokens: five full 4-token pages, past the 16-token window
+    prompts = [shared + [3, 4], shared + [7, 8, 9, 10, 11, 12], shared[:9]]
+    expected = [noesis_greedy(checkpoints.llm(name), p, 16)[0] for p in prompts]
+    llm = checkpoints.new_llm(name, enable_prefix_caching=True, page_size=4)
+    assert [noesis_greedy(llm, p, 16)[0] for p in prompts] == expected
+    assert llm.engine.prefix_cache.hit_tokens > 0
+    assert not llm.engine.has_unfinished()
+
+
+def test_prefix_caching_is_off_for_length_dependent_rope(checkpoints):
+    """With dynamic NTK a prefix's rotation depends on the prompt length: no sharing."""
+    shared = list(range(40, 60))
+    prompts = [shared + [3, 4], shared + [7, 8, 9, 10, 11, 12], shared[:9]]
+    expected = [noesis_greedy(checkpoints.llm("llama-dynamic"), p, 16)[0] for p in prompts]
+    llm = checkpoints.new_llm("llama-dynamic", enable_prefix_caching=True, page_size=4)
+    assert llm.engine.prefix_cache is None
+    assert [noesis_greedy(llm, p, 16)[0] for p in prompts] == expected
+
+
 # ---- preemption ----------------------------------------------------------------------------------
 
 
@@ -166,7 +206,7 @@ def test_requests_without_seed_differ(checkpoints):
         ("llama", False),
         ("llama", True),
         ("mistral-swa", False),
-        pytest.param("llama-dynamic", False, marks=LENGTH_DEPENDENT),
+        ("llama-dynamic", False),
     ],
 )
 def test_preemption_gives_the_same_tokens(checkpoints, name, sampled):
@@ -217,6 +257,17 @@ def test_stop_string_trims_text(checkpoints):
         ["The quick"], greedy_params(max_tokens=32, stop=stop, include_stop_str_in_output=True)
     )[0]
     assert kept.text == full.text[: cut + len(stop)]
+    assert_idle(llm)
+
+
+def test_stream_with_stop_string_never_shows_the_stop(checkpoints):
+    llm = checkpoints.llm("llama")
+    full = llm.generate(["The quick"], greedy_params(max_tokens=32))[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    params = greedy_params(max_tokens=32, stop=stop)
+    deltas = list(llm.stream("The quick", params))
+    out = llm.generate(["The quick"], params)[0]
+    assert "".join(deltas) == out.text == full[: full.find(stop)]
     assert_idle(llm)
 
 

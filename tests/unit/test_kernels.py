@@ -49,17 +49,26 @@ def paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens, seed=0):
         (6, 2, 16, 4, [40, 300], 17),  # sliding window
     ],
 )
-def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, page_size,
-                                                  ctx_lens, window):
+def test_paged_decode_attention_matches_reference(
+    heads, kv_heads, head_dim, page_size, ctx_lens, window
+):
     batch = len(ctx_lens)
     q, kv, tables, lens = paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens)
-    meta = AttentionMetadata(page_size, torch.empty(0, dtype=torch.long), [],
-                             torch.arange(batch), tables, lens, max(ctx_lens))
+    meta = AttentionMetadata(
+        page_size,
+        torch.empty(0, dtype=torch.long),
+        [],
+        torch.arange(batch),
+        tables,
+        lens,
+        max(ctx_lens),
+    )
     scale = head_dim**-0.5
     expected = TorchPagedAttention().decode(q, kv, meta, scale, window)
     out = torch.full_like(q, float("nan"))
-    out = triton_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, scale,
-                                                max(ctx_lens), window)
+    out = triton_kernels.paged_decode_attention(
+        q, kv[0], kv[1], tables, lens, scale, max(ctx_lens), window
+    )
     assert not out.isnan().any()
     assert rel_err(out, expected) < 1e-5
 
@@ -90,8 +99,9 @@ def test_rope_write_kv_matches_reference(rotary_dim):
     sin = torch.cat([angles.sin(), angles.sin()], -1)
     slots = torch.tensor([9, 2, 14, 0, 7])
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    ref_q, ref_k, ref_v = (t.reshape(tokens, -1, head_dim) for t in
-                           qkv.clone().split([q_size, kv_size, kv_size], -1))
+    ref_q, ref_k, ref_v = (
+        t.reshape(tokens, -1, head_dim) for t in qkv.clone().split([q_size, kv_size, kv_size], -1)
+    )
     ref_q, ref_k = apply_rotary(ref_q, cos, sin), apply_rotary(ref_k, cos, sin)
     kv = torch.zeros(2, 4, page_size, kv_heads, head_dim)
     q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], -1))

@@ -67,6 +67,17 @@ def test_unsupported_architecture_lists_supported(llama_copy):
     assert all(name in message for name in SUPPORTED)
 
 
+def test_mixed_sliding_window_layers_are_unsupported(checkpoints, tmp_path):
+    path = checkpoints.copy("qwen2-sliding", tmp_path / "mixed")
+    edit_json(
+        path / "config.json",
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    with pytest.raises(UnsupportedModel, match="sliding-window"):
+        load(path)
+
+
 def test_missing_tensor_is_named(llama_copy):
     key = "model.layers.1.mlp.up_proj.weight"
     edit_tensors(llama_copy / "model.safetensors", lambda t: t.pop(key))

@@ -5,8 +5,9 @@ rope kinds that equals a no-cache full recompute (test_invariance.py checks noes
 too). For the two length-dependent kinds the cached run *is* Hugging Face's semantics:
 
 - dynamic NTK: HF recomputes the frequencies from the length a forward pass reaches and leaves the
-  keys already in the cache as they were rotated. noesis does the same, so it matches cached
-  generation; a full recompute is a different function (test_dynamic_ntk_is_not_recompute).
+  keys already in the cache as they were rotated: the prompt at its own length, each new token at
+  the length it makes. noesis rotates position p at length max(p + 1, prompt_len), the same thing;
+  a full recompute is a different function (test_dynamic_ntk_is_not_recompute).
 - longrope (Phi-3): HF switches every position to the long factors once the sequence passes
   original_max_position_embeddings, and Phi-3's generate drops its cache at that point to recompute
   the prompt with them, so cached generation equals full recompute.
@@ -22,11 +23,15 @@ from checkpoints import (
     SPECS,
     build_checkpoint,
     hf_generate,
+    hf_recompute,
     load_reference,
     noesis_greedy,
     reset_rope_state,
 )
 from safetensors import safe_open
+
+from noesis import LLM, SamplingParams
+from noesis.models.config import ModelConfig
 
 PROMPTS = {
     "short": [0, 5, 9, 77, 100, 21],  # 6 + 32 tokens crosses the 16-token windows of the variants
@@ -42,9 +47,12 @@ FAMILIES = [
     "llama-mqa",
     "mistral-swa",
     "qwen2-tied",
+    "qwen2-sliding",
     "qwen3",
+    "qwen3-sliding-unused",
     "phi3",
     "phi3-partial-rotary",
+    "phi3-sliding",
 ]
 ROPE_KINDS = ["llama-linear", "llama-dynamic", "llama-yarn", "llama-llama3", "phi3-longrope"]
 LONGROPE_SWITCH = pytest.mark.xfail(
@@ -83,6 +91,33 @@ def test_float32_greedy_parity(checkpoints, name, prompt_name):
     assert_parity(tokens, logprobs, ref_tokens, ref_rows, FP32_LOGPROB_TOL)
 
 
+def test_top_logprobs_match_transformers(checkpoints):
+    llm = checkpoints.llm("qwen3")
+    prompt = PROMPTS["short"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    out = llm.generate([prompt], params)[0]
+    _, rows = hf_generate(checkpoints.reference("qwen3"), prompt, 8)
+    for row, ref_row in zip(out.logprobs, rows, strict=True):
+        top = ref_row.topk(5)
+        assert set(row) == set(top.indices.tolist())  # greedy: the sampled token is the top one
+        for token, logprob in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert abs(row[token] - logprob) <= FP32_LOGPROB_TOL
+
+
+@pytest.mark.parametrize("penalty", [2.0, 0.5])
+def test_repetition_penalty_matches_transformers(checkpoints, penalty):
+    """Greedy with HF's repetition penalty (over prompt and output tokens) picks the same tokens."""
+    prompt = PROMPTS["short"]
+    params = SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=penalty
+    )
+    tokens = checkpoints.llm("llama").generate([prompt], params)[0].token_ids
+    ref = checkpoints.reference("llama")
+    ref_tokens, _ = hf_generate(ref, prompt, NEW_TOKENS, repetition_penalty=penalty)
+    assert tokens == ref_tokens
+    assert tokens != noesis_greedy(checkpoints.llm("llama"), prompt, NEW_TOKENS)[0]
+
+
 @pytest.mark.parametrize("name", ["llama", "phi3-partial-rotary", *ROPE_KINDS])
 @pytest.mark.parametrize("length", [8, 16, 17, 40])
 def test_rope_tables_match_transformers(checkpoints, name, length):
@@ -116,7 +151,10 @@ def test_variants_are_what_their_names_say(checkpoints):
     assert checkpoints.llm("llama-mha-tied-bias").engine.loaded.model.lm_head is None
     assert not cfg["llama"].tie_word_embeddings
     assert cfg["mistral-swa"].sliding_window == 8 < len(PROMPTS["short"]) + NEW_TOKENS
+    assert cfg["phi3-sliding"].sliding_window == 8
     assert cfg["qwen2-tied"].qkv_bias and not cfg["qwen2-tied"].o_bias
+    assert cfg["qwen2-sliding"].sliding_window == 8
+    assert cfg["qwen3-sliding-unused"].sliding_window is None
     assert cfg["qwen3"].qk_norm and cfg["qwen3"].head_dim * cfg["qwen3"].num_heads != 64
     assert cfg["phi3-partial-rotary"].rope.rotary_dim == cfg["phi3"].head_dim // 2
     kinds = {name: cfg[name].rope.rope_type for name in ROPE_KINDS}
@@ -167,8 +205,6 @@ def test_dynamic_ntk_kicks_in_past_max_position(checkpoints):
 def test_dynamic_ntk_is_not_recompute(checkpoints):
     """Why the reference is cached generation: recomputing every step re-rotates old keys with the
     grown frequencies, which HF generation (and noesis) never does."""
-    from checkpoints import hf_recompute
-
     prompt = PROMPTS["short"]
     ref = checkpoints.reference("llama-dynamic")
     tokens, logprobs = noesis_greedy(checkpoints.llm("llama-dynamic"), prompt, NEW_TOKENS)
@@ -198,9 +234,6 @@ def _legacy(config: dict) -> dict:
 @pytest.mark.parametrize("name", [*ROPE_KINDS, "phi3-partial-rotary", "qwen2-tied"])
 def test_legacy_rope_config_format(checkpoints, tmp_path, name):
     """Most Hub checkpoints predate `rope_parameters`; both spellings must load the same model."""
-    from noesis import LLM
-    from noesis.models.config import ModelConfig
-
     path = checkpoints.copy(name, tmp_path / "legacy")
     modern = json.loads((path / "config.json").read_text())
     legacy = _legacy(modern)
@@ -253,8 +286,6 @@ def test_sharded_checkpoint(checkpoints, tmp_path):
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert not (path / "model.safetensors").exists()
-    from noesis import LLM
-
     llm = LLM(str(path), device="cpu", dtype="float32", progress=False)
     prompt = PROMPTS["short"]
     tokens, logprobs = noesis_greedy(llm, prompt, NEW_TOKENS)
@@ -266,8 +297,6 @@ def test_sharded_checkpoint(checkpoints, tmp_path):
 
 def test_bfloat16_checkpoint_cast_to_float32(tmp_path):
     """Stored in bf16, loaded in fp32 by both: the cast happens at load and parity holds."""
-    from noesis import LLM
-
     path = build_checkpoint(tmp_path / "bf16", "qwen3", dtype=torch.bfloat16)
     llm = LLM(str(path), device="cpu", dtype="float32", progress=False)
     assert next(llm.engine.loaded.model.parameters()).dtype == torch.float32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from noesis.models.rope import RotaryEmbedding
 from noesis.runner.runner import ModelRunner
 from noesis.sampling.params import SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 
@@ -56,7 +59,13 @@ class Engine:
         num_pages = self._num_pages()
         self.kv = KVPool(model_config, num_pages, config.page_size, self.loaded.dtype, self.device)
         self.allocator = PageAllocator(num_pages, config.page_size)
-        self.prefix_cache = PrefixCache(self.allocator) if config.enable_prefix_caching else None
+        # A length-dependent rope (dynamic NTK, longrope) rotates a prefix differently for
+        # prompts of different lengths, so its pages cannot be shared between requests.
+        self.prefix_caching = config.enable_prefix_caching and not _length_dependent(model_config)
+        if config.enable_prefix_caching and not self.prefix_caching:
+            logger.warning("prefix caching is off: %s rope depends on the sequence length",
+                           model_config.rope.rope_type)
+        self.prefix_cache = PrefixCache(self.allocator) if self.prefix_caching else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.allocator,
@@ -215,6 +224,10 @@ class Engine:
             self.scheduler.finish(seq, FinishReason.STOP)
         elif seq.finished:
             state.append_text(state.detokenizer.flush(seq.token_ids))
+
+
+def _length_dependent(config) -> bool:
+    return config.rope.rope_type in ("dynamic", "longrope")
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

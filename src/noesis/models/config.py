@@ -156,14 +156,25 @@ def _sliding_window(cfg: dict[str, Any], family: str) -> int | None:
     window = cfg.get("sliding_window")
     if not window:
         return None
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if family not in ("qwen2", "qwen3"):
+        return int(window)
+    if not cfg.get("use_sliding_window", False):
         return None
-    if family in ("qwen2", "qwen3") and cfg.get("max_window_layers") is not None:
-        if cfg["max_window_layers"] < cfg["num_hidden_layers"]:
-            raise UnsupportedModel(
-                "per-layer sliding windows (max_window_layers) are not supported"
-            )
-    return int(window)
+    # Qwen2/3 slide only in layers >= max_window_layers (28 when unset, as in transformers);
+    # newer configs spell the result out as layer_types.
+    first = cfg.get("max_window_layers", 28)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention"
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    if all(kind == "full_attention" for kind in types):
+        return None
+    if all(kind == "sliding_attention" for kind in types):
+        return int(window)
+    raise UnsupportedModel(
+        "models mixing full and sliding-window attention layers (max_window_layers / "
+        "layer_types) are not supported"
+    )
 
 
 def _rope(cfg: dict[str, Any], head_dim: int) -> RopeConfig:

@@ -34,4 +34,4 @@ class ForwardInputs:
     positions: torch.Tensor  # [T]
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # [B] row of the last token of each sampling sequence
-    rope_lengths: list[tuple[int, int]]  # (num_tokens, length reached) per sequence, in order
+    rope_lengths: list[tuple[int, int, int]]  # (num_tokens, end, prompt_len) per sequence

@@ -88,7 +88,7 @@ class ModelRunner:
                 seq.pages[p // page_size] * page_size + p % page_size
                 for p in range(start, start + count)
             )
-            rope_lengths.append((count, start + count))
+            rope_lengths.append((count, start + count, seq.prompt_len))
             if item.samples:
                 sample_rows.append(row + count - 1)
             if count == 1 and start > 0:

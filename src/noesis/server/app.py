@@ -164,14 +164,10 @@ async def _unless_disconnected(request: Request, work):
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else None
     finally:
         watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None
+        task.cancel()  # a no-op once done; otherwise (client gone, or we were cancelled) aborts
 
 
 async def _disconnected(request: Request) -> None:
@@ -219,7 +215,7 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.model)
     body.refuse_unsupported()
     state.check_n(body.n)
-    prompt = state.chat_prompt(body)
+    prompt = await asyncio.to_thread(state.chat_prompt, body)  # long prompts must not stall streams
     return await state.generate(request, body, [prompt], ChatFormat)
 
 
@@ -230,7 +226,7 @@ async def completions(request: Request) -> Response:
     state.check_model(body.model)
     body.refuse_unsupported()
     state.check_n(body.n)
-    prompts = state.completion_prompts(body)
+    prompts = await asyncio.to_thread(state.completion_prompts, body)
     echo = None
     if body.echo:
         echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts()]

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from noesis.engine.async_engine import AsyncEngine, QueueFull, RequestStream
 from noesis.engine.outputs import RequestOutput
+from noesis.errors import InvalidRequest
 from noesis.sampling.params import SamplingParams
 from noesis.server.metrics import Metrics
 
@@ -27,6 +28,11 @@ class Generation:
     async def start(self, prompts: list[list[int]], params: list[list[SamplingParams]]) -> None:
         """Queue every choice of every prompt; raises (having aborted all) if any is refused."""
         total = sum(len(p) for p in params)
+        if total > self.engine.max_in_flight:
+            raise InvalidRequest(
+                f"{total} generations (prompts x n) can never fit this server's "
+                f"{self.engine.max_in_flight} slots (--max-num-seqs + --max-queue)"
+            )
         if self.engine.num_in_flight + total > self.engine.max_in_flight:
             raise QueueFull(self.engine.num_in_flight, self.engine.max_in_flight)
         for token_ids, choice_params in zip(prompts, params, strict=True):

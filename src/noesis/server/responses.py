@@ -175,7 +175,8 @@ async def sse_stream(
 
 
 def _event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    # ASCII-only JSON: no U+2028, NEL or other code point that a line splitter might break on
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 def _new_logprobs(reply: Reply, out: RequestOutput, sent: int) -> bool:

@@ -1,0 +1,146 @@
+"""AsyncEngine over a fake engine: streaming, abort on close, admission, and step failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from noesis import SamplingParams
+from noesis.engine.async_engine import AsyncEngine, EngineStepError, QueueFull
+from noesis.engine.outputs import RequestOutput
+from noesis.errors import InvalidRequest
+
+BAD_PROMPT = [666]
+
+
+class FakeEngine:
+    """Emits token i at step i for each request until max_tokens; can fail one step on demand."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[list[int], int, list[int]]] = {}
+        self.aborted: list[str] = []
+        self.fail_next_step = False
+
+    def add_request(self, token_ids, params: SamplingParams, request_id: str) -> str:
+        if token_ids == BAD_PROMPT:
+            raise InvalidRequest("bad prompt")
+        self.requests[request_id] = (list(token_ids), params.max_tokens, [])
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.001)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("boom")
+        outputs = []
+        for request_id, (prompt, max_tokens, tokens) in list(self.requests.items()):
+            tokens.append(len(tokens))
+            done = len(tokens) == max_tokens
+            outputs.append(self._output(request_id, prompt, tokens, "length" if done else None))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        if request_id not in self.requests:
+            return None
+        prompt, _, tokens = self.requests.pop(request_id)
+        self.aborted.append(request_id)
+        return self._output(request_id, prompt, tokens, "abort")
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for out in map(self.abort, list(self.requests)) if out is not None]
+
+    @staticmethod
+    def _output(request_id, prompt, tokens, reason) -> RequestOutput:
+        text = "".join(map(str, tokens))
+        return RequestOutput(
+            request_id, None, prompt, text, list(tokens), reason, None, reason is not None
+        )
+
+
+def run(test, max_in_flight: int = 8):
+    """Run `test(async_engine, fake)` on a fresh loop with the engine thread started."""
+
+    async def main():
+        fake = FakeEngine()
+        engine = AsyncEngine(fake, max_in_flight)
+        engine.start()
+        try:
+            return await asyncio.wait_for(test(engine, fake), 10)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def params(max_tokens: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens)]
+
+
+def test_outputs_stream_until_finished():
+    async def test(engine, fake):
+        (stream,) = engine.add([1, 2], params(5))
+        seen = [out.token_ids for out in [o async for o in stream]]
+        assert seen[-1] == [0, 1, 2, 3, 4]
+        assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:], strict=False))
+        assert engine.num_in_flight == 0
+        assert stream.times.first_token is not None and stream.times.finished is not None
+
+    run(test)
+
+
+def test_rejected_request_raises_and_leaves_nothing_behind():
+    async def test(engine, fake):
+        (stream,) = engine.add(BAD_PROMPT, params(3))
+        with pytest.raises(InvalidRequest, match="bad prompt"):
+            await stream.started()
+        assert engine.num_in_flight == 0
+
+    run(test)
+
+
+def test_closing_a_stream_aborts_its_request():
+    async def test(engine, fake):
+        (stream,) = engine.add([1], params(10_000))
+        iterator = stream.__aiter__()
+        await iterator.__anext__()
+        await iterator.aclose()
+        for _ in range(100):
+            if fake.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert fake.aborted == [stream.request_id] and not fake.requests
+
+    run(test)
+
+
+def test_step_failure_fails_requests_in_flight_but_not_later_ones():
+    async def test(engine, fake):
+        streams = engine.add([1], params(10_000) * 2)
+        await asyncio.gather(*(s.started() for s in streams))
+        fake.fail_next_step = True
+        for stream in streams:
+            with pytest.raises(EngineStepError, match="boom"):
+                async for _ in stream:
+                    pass
+        (later,) = engine.add([2], params(3))
+        assert (await later.result()).token_ids == [0, 1, 2]
+        assert engine.num_step_failures == 1
+
+    run(test)
+
+
+def test_admission_is_all_or_nothing():
+    async def test(engine, fake):
+        engine.add([1], params(10_000) * 2)
+        with pytest.raises(QueueFull) as info:
+            engine.add([1], params(5) * 2)
+        assert info.value.retry_after >= 1 and engine.num_in_flight == 2
+
+    run(test, max_in_flight=3)
