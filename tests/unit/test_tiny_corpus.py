@@ -84,27 +84,28 @@ def _question_numbers(example: corpus.Example) -> set[str]:
     return found - {"0"}  # "divided by 0" is part of a template
 
 
-def _entities(example: corpus.Example) -> set[str]:
-    words = set(
-        re.findall(r"[A-Za-z]+", " ".join(m.get("content") or "" for m in example.messages))
-    )
-    names = {w for w in words if w in lexicon.FIRST_NAMES}
-    places = {w.lower() for w in words} & {
-        n for c in lexicon.COUNTRIES.values() for n in (c.name.lower(), c.capital.lower())
-    }
-    quoted = set()
-    if example.task == "string_tool" and example.expected_arguments:
-        quoted.add(example.expected_arguments["text"].lower())
-    return names | places | quoted
-
-
 def test_heldout_shares_no_entity_or_number_with_train(train_examples, heldout_examples):
     train_numbers = set().union(*map(_question_numbers, train_examples))
     heldout_numbers = set().union(*map(_question_numbers, heldout_examples))
     assert heldout_numbers and not train_numbers & heldout_numbers
-    train_entities = set().union(*map(_entities, train_examples))
-    heldout_entities = set().union(*map(_entities, heldout_examples))
-    assert len(heldout_entities) > 100 and not train_entities & heldout_entities
+    train_entities = {e.lower() for x in train_examples for e in x.entities}
+    heldout_entities = {e.lower() for x in heldout_examples for e in x.entities}
+    assert len(heldout_entities) > 500 and not train_entities & heldout_entities
+    assert all(lexicon.split_of(e) == "heldout" for e in heldout_entities)
+
+
+def test_recorded_entities_appear_in_the_conversation(train_examples):
+    for example in train_examples[:300]:
+        text = example.text().lower()
+        assert all(entity.lower() in text for entity in example.entities)
+
+
+def test_entities_are_mostly_fresh():
+    """Most names and words are made up, so the model learns to copy rather than memorize."""
+    names = [
+        e for x in corpus.generate(12, "train", 2000) if x.task == "recall" for e in x.entities
+    ]
+    assert len(set(names)) > 0.6 * len(names)
 
 
 def test_prompt_and_before_final_views():

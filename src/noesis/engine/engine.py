@@ -25,7 +25,7 @@ from noesis.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 << 30
+DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

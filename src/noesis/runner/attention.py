@@ -43,7 +43,8 @@ class TorchPagedAttention:
             rows = slice(span.q_start, span.q_start + span.q_len)
             if span.ctx_len == span.q_len and sliding_window is None:
                 # Nothing cached before: plain causal attention over the fresh k/v.
-                out[rows] = _sdpa(q[rows][None], k[rows][None], v[rows][None], None, scale)[0]
+                out[rows] = _sdpa(q[rows][None], k[rows][None], v[rows][None], None, scale,
+                                  causal=True)[0]
                 continue
             if span.ctx_len == span.q_len:
                 keys, values = k[rows], v[rows]
@@ -61,8 +62,13 @@ class TorchPagedAttention:
 
     def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None):
         """Single-token decodes: q [Bd, H, d] over their page tables -> [Bd, H, d]."""
-        keys, values = _gather(kv_cache, meta.decode_pages, meta.max_decode_ctx)  # [Bd, L, ..]
-        key_pos = torch.arange(meta.max_decode_ctx, device=q.device)
+        length = meta.max_decode_ctx
+        slots = (meta.decode_pages[:, :, None] * meta.page_size
+                 + torch.arange(meta.page_size, device=q.device)).flatten(1)[:, :length]
+        keys, values = kv_cache.view(2, -1, *kv_cache.shape[-2:])[:, slots]  # [Bd, L, Hkv, d]
+        if q.shape[0] == 1 and window is None:  # one sequence, every key visible: no mask
+            return _sdpa(q[:, None], keys, values, None, scale)[:, 0]
+        key_pos = torch.arange(length, device=q.device)
         query_pos = (meta.decode_ctx_lens - 1)[:, None]
         mask = key_pos[None, :] <= query_pos  # [Bd, L]
         if window is not None:
@@ -106,15 +112,16 @@ def _mask(first_pos: int, q_len: int, ctx_len: int, window: int | None, device) 
     return mask  # [q_len, ctx_len]
 
 
-def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
+def _sdpa(q, k, v, mask, scale: float, causal: bool = False) -> torch.Tensor:
     """q [B, Lq, H, d], k/v [B, Lk, Hkv, d]; boolean mask broadcastable to [B, H, Lq, Lk], or
-    None for plain causal attention (Lq == Lk), which lets SDPA pick its flash kernel."""
+    None with `causal` for plain causal attention (Lq == Lk, SDPA's flash kernel), or None
+    alone when every key is visible to every query."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
-        is_causal=mask is None,
+        is_causal=causal,
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )

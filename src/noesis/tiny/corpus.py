@@ -35,6 +35,7 @@ class Example:
     expected_arguments: dict[str, Any] | None
     tool_result: str | None
     expected_answer: str | None  # a correct final answer contains it; None: not scored
+    entities: tuple[str, ...] = ()  # names, words, countries and numbers drawn from the split
 
     @property
     def prompt_messages(self) -> list[dict[str, Any]]:
@@ -73,6 +74,45 @@ class Task:
     answer: str | None = None
 
 
+@dataclass
+class Draw:
+    """The random choices of one example: templates from `rng`, entities from `split`, recorded."""
+
+    rng: random.Random
+    split: Split
+    entities: list[str] = field(default_factory=list)
+
+    def _keep(self, entity: str) -> str:
+        self.entities.append(entity)
+        return entity
+
+    def number(self, low: int, high: int) -> int:
+        value = lexicon.number(self.rng, low, high, self.split)
+        self._keep(str(abs(value)))
+        return value
+
+    def person(self) -> str:
+        return self._keep(lexicon.person_name(self.rng, self.split))
+
+    def word(self) -> str:
+        return self._keep(lexicon.text_word(self.rng, self.split))
+
+    def country(self) -> lexicon.Country:
+        country = self.rng.choice(lexicon.countries_in(self.split))
+        self._keep(country.name)
+        return country
+
+    def unknown_country(self) -> str:
+        return self._keep(lexicon.unknown_country_name(self.rng, self.split))
+
+    def city(self) -> str:
+        return self._keep(self.rng.choice(lexicon.countries_in(self.split)).capital)
+
+    def date(self) -> str:
+        year = self.number(1900, 2099)
+        return f"{year:04d}-{self.rng.randint(1, 12):02d}-{self.rng.randint(1, 28):02d}"
+
+
 @dataclass(frozen=True)
 class Mixture:
     """How often each task appears, and how tools are declared."""
@@ -101,11 +141,12 @@ DEFAULT_MIXTURE = Mixture()
 
 
 def example(seed: int, split: Split, index: int, mixture: Mixture = DEFAULT_MIXTURE) -> Example:
-    rng = random.Random(f"noesis-tiny/{seed}/{split}/{index}")
+    draw = Draw(random.Random(f"noesis-tiny/{seed}/{split}/{index}"), split)
+    rng = draw.rng
     kinds, weights = zip(*mixture.weights.items(), strict=True)
-    task = GENERATORS[rng.choices(kinds, weights)[0]](rng, split)
+    task = GENERATORS[rng.choices(kinds, weights)[0]](draw)
     declared = _declare_tools(rng, task.tool, mixture)
-    messages = _instructions(rng) + _history(rng, split, mixture) + [user(task.question)]
+    messages = _instructions(rng) + _history(draw, mixture) + [user(task.question)]
     built = _answer(task, declared)
     messages += built.messages
     return Example(
@@ -118,6 +159,7 @@ def example(seed: int, split: Split, index: int, mixture: Mixture = DEFAULT_MIXT
         expected_arguments=task.arguments if built.tool else None,
         tool_result=built.result,
         expected_answer=built.answer,
+        entities=tuple(draw.entities),
     )
 
 
@@ -136,7 +178,7 @@ def texts(seed: int, split: Split, count: int, start: int = 0, doc_every: int = 
 
 def document(seed: int, split: Split, index: int) -> str:
     rng = random.Random(f"noesis-tiny-doc/{seed}/{split}/{index}")
-    return english.document(rng, lexicon.in_split(lexicon.FIRST_NAMES, split))
+    return english.document(rng, tuple(lexicon.person_name(rng, split) for _ in range(4)))
 
 
 # ---------------------------------------------------------------- messages
@@ -235,11 +277,11 @@ def _instructions(rng: random.Random) -> list[dict[str, Any]]:
     return [{"role": "developer", "content": rng.choice(INSTRUCTIONS)}]
 
 
-def _history(rng: random.Random, split: Split, mixture: Mixture) -> list[dict[str, Any]]:
+def _history(draw: Draw, mixture: Mixture) -> list[dict[str, Any]]:
     """An earlier exchange answered without tools; its analysis is dropped, as gpt-oss does."""
-    if rng.random() >= mixture.history:
+    if draw.rng.random() >= mixture.history:
         return []
-    earlier = rng.choice((_greeting, _recall))(rng, split)
+    earlier = draw.rng.choice((_greeting, _recall))(draw)
     return [user(earlier.question), {"role": "assistant", "content": earlier.final}]
 
 
@@ -250,9 +292,10 @@ _WORD_OPS = {"+": "plus", "-": "minus", "*": "times", "/": "divided by"}
 _ASK = ("What is {}?", "Calculate {}.", "Compute {}.", "How much is {}?", "Please work out {}.")
 
 
-def _calculator(rng: random.Random, split: Split) -> Task:
+def _calculator(d: Draw) -> Task:
+    rng = d.rng
     shape = rng.choices(("binary", "ternary", "percent", "square", "zero"), (60, 22, 8, 7, 3))[0]
-    expression, question = _ARITHMETIC[shape](rng, split)
+    expression, question = _ARITHMETIC[shape](d)
     display = question
     if shape in ("binary", "ternary") and rng.random() < 0.5:
         display = rng.choice(_ASK).format(_spaced(expression) if rng.random() < 0.5 else expression)
@@ -277,20 +320,22 @@ def _spaced(expression: str) -> str:
     return expression.replace("*  *", "**")
 
 
-def _binary(rng: random.Random, split: Split) -> tuple[str, str]:
+def _binary(d: Draw) -> tuple[str, str]:
+    rng = d.rng
     op = rng.choice("+-*/")
     if op == "*":
-        a, b = lexicon.number(rng, 2, 99, split), lexicon.number(rng, 2, 999, split)
+        a, b = d.number(2, 99), d.number(2, 999)
     elif op == "/":
-        b = lexicon.number(rng, 2, 50, split)
-        a = lexicon.number(rng, 2, 2000, split)
+        b = d.number(2, 50)
+        a = d.number(2, 2000)
     else:
-        a, b = lexicon.number(rng, 2, 9999, split), lexicon.number(rng, 2, 9999, split)
+        a, b = d.number(2, 9999), d.number(2, 9999)
     return f"{a}{op}{b}", f"What is {a} {_WORD_OPS[op]} {b}?"
 
 
-def _ternary(rng: random.Random, split: Split) -> tuple[str, str]:
-    a, b, c = (lexicon.number(rng, 2, 200, split) for _ in range(3))
+def _ternary(d: Draw) -> tuple[str, str]:
+    rng = d.rng
+    a, b, c = (d.number(2, 200) for _ in range(3))
     op1, op2 = rng.choice("+-*"), rng.choice("+-*")
     if rng.random() < 0.5:
         return (
@@ -300,18 +345,18 @@ def _ternary(rng: random.Random, split: Split) -> tuple[str, str]:
     return f"{a}{op1}{b}{op2}{c}", f"What is {a} {_WORD_OPS[op1]} {b} {_WORD_OPS[op2]} {c}?"
 
 
-def _percent(rng: random.Random, split: Split) -> tuple[str, str]:
-    p, n = lexicon.number(rng, 1, 99, split), lexicon.number(rng, 10, 5000, split)
+def _percent(d: Draw) -> tuple[str, str]:
+    p, n = d.number(1, 99), d.number(10, 5000)
     return f"{n}*{p}/100", f"What is {p}% of {n}?"
 
 
-def _square(rng: random.Random, split: Split) -> tuple[str, str]:
-    a = lexicon.number(rng, 2, 999, split)
+def _square(d: Draw) -> tuple[str, str]:
+    a = d.number(2, 999)
     return f"{a}**2", f"What is {a} squared?"
 
 
-def _zero(rng: random.Random, split: Split) -> tuple[str, str]:
-    a = lexicon.number(rng, 2, 999, split)
+def _zero(d: Draw) -> tuple[str, str]:
+    a = d.number(2, 999)
     return f"{a}/0", f"What is {a} divided by 0?"
 
 
@@ -353,11 +398,12 @@ _UNIT_ASK = (
 )
 
 
-def _convert_units(rng: random.Random, split: Split) -> Task:
+def _convert_units(d: Draw) -> Task:
+    rng = d.rng
     dimension = rng.choice(("length", "mass", "volume", "temperature"))
     source, target = rng.sample([u for u in UNITS.values() if u.dimension == dimension], 2)
     low, high = (-40, 250) if dimension == "temperature" else (1, 900)
-    value: float = lexicon.number(rng, low, high, split)
+    value: float = d.number(low, high)
     if dimension != "temperature" and rng.random() < 0.2:
         value += 0.5
     shown = format_number(value)
@@ -381,12 +427,6 @@ MONTHS = (
 )
 
 
-def _date(rng: random.Random, split: Split) -> str:
-    year = lexicon.number(rng, 1900, 2099, split)
-    month, day = rng.randint(1, 12), rng.randint(1, 28)
-    return f"{year:04d}-{month:02d}-{day:02d}"
-
-
 def _spoken(iso: str, rng: random.Random) -> str:
     """The date as the user writes it: ISO most of the time, sometimes 'March 5, 2024'."""
     if rng.random() < 0.7:
@@ -395,8 +435,9 @@ def _spoken(iso: str, rng: random.Random) -> str:
     return f"{MONTHS[int(month) - 1]} {int(day)}, {year}"
 
 
-def _add_days(rng: random.Random, split: Split) -> Task:
-    start, days = _date(rng, split), lexicon.number(rng, 1, 500, split)
+def _add_days(d: Draw) -> Task:
+    rng = d.rng
+    start, days = d.date(), d.number(1, 500)
     shown = _spoken(start, rng)
     before = rng.random() < 0.3
     if before:
@@ -424,8 +465,9 @@ def _add_days(rng: random.Random, split: Split) -> Task:
     )
 
 
-def _days_between(rng: random.Random, split: Split) -> Task:
-    start, end = sorted((_date(rng, split), _date(rng, split)))
+def _days_between(d: Draw) -> Task:
+    rng = d.rng
+    start, end = sorted((d.date(), d.date()))
     if rng.random() < 0.2:
         start, end = end, start
     a, b = _spoken(start, rng), _spoken(end, rng)
@@ -445,8 +487,9 @@ def _days_between(rng: random.Random, split: Split) -> Task:
     return Task("days_between", question, "days_between", arguments, thinking, finish)
 
 
-def _day_of_week(rng: random.Random, split: Split) -> Task:
-    date = _date(rng, split)
+def _day_of_week(d: Draw) -> Task:
+    rng = d.rng
+    date = d.date()
     question = rng.choice(
         (
             "What day of the week is {d}?",
@@ -481,11 +524,12 @@ _COUNTRY_FINAL = {
 }
 
 
-def _lookup_country(rng: random.Random, split: Split) -> Task:
+def _lookup_country(d: Draw) -> Task:
+    rng = d.rng
     if rng.random() < 0.04:
-        name = lexicon.unknown_country_name(rng, split)
+        name = d.unknown_country()
     else:
-        name = rng.choice(lexicon.countries_in(split)).name
+        name = d.country().name
     what = rng.choices(("capital", "population", "currency"), (45, 30, 25))[0]
     question = rng.choice(_COUNTRY_ASK[what]).format(c=name)
     thinking = f"Look up the {what} of {name} with lookup_country."
@@ -500,8 +544,9 @@ def _lookup_country(rng: random.Random, split: Split) -> Task:
 # ---------------------------------------------------------------- strings
 
 
-def _string_tool(rng: random.Random, split: Split) -> Task:
-    word = rng.choice(lexicon.in_split(lexicon.STRING_WORDS, split))
+def _string_tool(d: Draw) -> Task:
+    rng = d.rng
+    word = d.word()
     operation = rng.choice(("reverse", "uppercase", "lowercase", "length", "count_letter"))
     text = word.capitalize() if operation == "lowercase" and rng.random() < 0.5 else word
     text = text.upper() if operation == "lowercase" and text == word else text
@@ -576,44 +621,16 @@ _SMALL_TALK = (
 )
 
 
-def _greeting(rng: random.Random, split: Split) -> Task:
+def _greeting(d: Draw) -> Task:
+    rng = d.rng
     questions, thinking, final, answer = rng.choice(_SMALL_TALK)
     return Task("greeting", rng.choice(questions), thinking=thinking, final=final, answer=answer)
 
 
-def _recall(rng: random.Random, split: Split) -> Task:
-    names = lexicon.in_split(lexicon.FIRST_NAMES, split)
-    name, n = rng.choice(names), lexicon.number(rng, 2, 99, split)
-    city = rng.choice(lexicon.countries_in(split)).capital
-    animal, color = rng.choice(english.ANIMALS), rng.choice(english.COLORS)
-    item = rng.choice(("apples", "books", "coins", "pencils", "cards", "stamps"))
-    code, date = lexicon.number(rng, 1000, 9999, split), _date(rng, split)
-    day = rng.choice(WEEKDAYS)
-    facts = (
-        (f"My name is {name}. What is my name?", f"Your name is {name}.", name),
-        (f"I live in {city}. Where do I live?", f"You live in {city}.", city),
-        (
-            f"My favorite color is {color}. What is my favorite color?",
-            f"Your favorite color is {color}.",
-            color,
-        ),
-        (f"I have {n} {item}. How many {item} do I have?", f"You have {n} {item}.", str(n)),
-        (
-            f"The door code is {code}. What is the door code?",
-            f"The door code is {code}.",
-            str(code),
-        ),
-        (
-            f"My {animal} is called {name}. What is my {animal} called?",
-            f"Your {animal} is called {name}.",
-            name,
-        ),
-        (f"{name} is {n} years old. How old is {name}?", f"{name} is {n} years old.", str(n)),
-        (f"{name} was born on {date}. When was {name} born?", f"{name} was born on {date}.", date),
-        (f"The meeting is on {day}. Which day is the meeting?", f"The meeting is on {day}.", day),
-    )
-    question, final, answer = rng.choice(facts)
-    thinking = rng.choice(
+def _recall(d: Draw) -> Task:
+    """A fact stated in the question, asked back: answered directly even when tools are declared."""
+    question, final, answer = _stated_fact(d)
+    thinking = d.rng.choice(
         (
             "The answer is in the message. No tool is needed.",
             "The user already told me. Answer directly.",
@@ -622,9 +639,51 @@ def _recall(rng: random.Random, split: Split) -> Task:
     return Task("recall", question, thinking=thinking, final=final, answer=answer)
 
 
-def _writing(rng: random.Random, split: Split) -> Task:
+def _stated_fact(d: Draw) -> tuple[str, str, str]:
+    """(question, final answer, expected answer)"""
+    rng = d.rng
+    match rng.randrange(9):
+        case 0:
+            name = d.person()
+            return f"My name is {name}. What is my name?", f"Your name is {name}.", name
+        case 1:
+            city = d.city()
+            return f"I live in {city}. Where do I live?", f"You live in {city}.", city
+        case 2:
+            color = rng.choice(english.COLORS)
+            question = f"My favorite color is {color}. What is my favorite color?"
+            return question, f"Your favorite color is {color}.", color
+        case 3:
+            n, item = d.number(2, 99), rng.choice(("apples", "books", "coins", "pencils", "cards"))
+            return f"I have {n} {item}. How many {item} do I have?", f"You have {n} {item}.", str(n)
+        case 4:
+            code = d.number(1000, 9999)
+            question = f"The door code is {code}. What is the door code?"
+            return question, f"The door code is {code}.", str(code)
+        case 5:
+            animal, name = rng.choice(english.ANIMALS), d.person()
+            question = f"My {animal} is called {name}. What is my {animal} called?"
+            return question, f"Your {animal} is called {name}.", name
+        case 6:
+            name, n = d.person(), d.number(2, 99)
+            return (
+                f"{name} is {n} years old. How old is {name}?",
+                f"{name} is {n} years old.",
+                str(n),
+            )
+        case 7:
+            name, date = d.person(), d.date()
+            question = f"{name} was born on {date}. When was {name} born?"
+            return question, f"{name} was born on {date}.", date
+        case _:
+            day = rng.choice(WEEKDAYS)
+            question = f"The meeting is on {day}. Which day is the meeting?"
+            return question, f"The meeting is on {day}.", day
+
+
+def _writing(d: Draw) -> Task:
+    rng = d.rng
     animal = rng.choice(english.ANIMALS)
-    name = rng.choice(lexicon.in_split(lexicon.FIRST_NAMES, split))
     kind = rng.randrange(3)
     if kind == 0:
         question = rng.choice(("Write a sentence about a {a}.", "Say something about a {a}."))
@@ -636,6 +695,7 @@ def _writing(rng: random.Random, split: Split) -> Task:
             answer=animal,
         )
     if kind == 1:
+        name = d.person()
         return Task(
             "writing",
             f"Tell me a short story about {name} and a {animal}.",
@@ -652,7 +712,7 @@ def _writing(rng: random.Random, split: Split) -> Task:
     )
 
 
-GENERATORS: dict[str, Callable[[random.Random, Split], Task]] = {
+GENERATORS: dict[str, Callable[[Draw], Task]] = {
     "calculator": _calculator,
     "convert_units": _convert_units,
     "add_days": _add_days,

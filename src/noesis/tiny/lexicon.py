@@ -7,8 +7,10 @@ the seed.
 
 from __future__ import annotations
 
+import functools
 import random
 import zlib
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Literal
 
@@ -122,8 +124,9 @@ _CODAS = ["", "", "", "n", "r", "l", "s", "m", "k", "th"]
 _COUNTRY_ENDINGS = "ia land ania mark stan or eria una".split()
 _CITY_ENDINGS = "ton burg port holm grad ville mouth ford dale".split()
 _CURRENCIES = "crown mark florin ducat lira dinar thaler shilling guilder talent".split()
-NUM_FICTIONAL_COUNTRIES = 500
+NUM_FICTIONAL_COUNTRIES = 20_000
 _TABLE_SEED = 20240611  # the table is part of the tool, fixed for every corpus seed
+_REAL_NAMES = frozenset(name.lower() for row in REAL_COUNTRIES for name in row[:2])
 
 
 @dataclass(frozen=True)
@@ -132,48 +135,83 @@ class Country:
     capital: str
     population: int
     currency: str
-    split: Split
+    split: Split  # real countries are all "train"; a fictional one's split is its name's
 
 
-def _stem(rng: random.Random, syllables: int) -> str:
+def pseudo_word(rng: random.Random, syllables: int) -> str:
+    """A pronounceable made-up lowercase word."""
     parts = [
         rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
     ]
-    return "".join(parts).capitalize()
+    return "".join(parts)
+
+
+def _fresh(rng: random.Random, split: Split, make: Callable[[], str], taken: Container[str]) -> str:
+    """A string from `make` whose split is `split` and that is not taken (rejection sampling)."""
+    while True:
+        text = make()
+        if (
+            split_of(text) == split
+            and text.lower() not in taken
+            and text.lower() not in _REAL_NAMES
+        ):
+            return text
 
 
 def _fictional_countries() -> list[Country]:
     rng = random.Random(_TABLE_SEED)
-    taken = {name.lower() for row in REAL_COUNTRIES for name in row[:2]}
+    taken: set[str] = set()
     countries: list[Country] = []
     while len(countries) < NUM_FICTIONAL_COUNTRIES:
-        name = _stem(rng, rng.randint(1, 2)) + rng.choice(_COUNTRY_ENDINGS)
-        capital = _stem(rng, rng.randint(1, 2)) + rng.choice(_CITY_ENDINGS)
-        if name.lower() in taken or capital.lower() in taken:
+        name = pseudo_word(rng, rng.randint(1, 2)).capitalize() + rng.choice(_COUNTRY_ENDINGS)
+        if name.lower() in taken or name.lower() in _REAL_NAMES:
             continue
+        split = split_of(name)
+        capital = _fresh(rng, split, lambda: _city(rng), taken)
         taken.update((name.lower(), capital.lower()))
         population = rng.randint(50, 90_000) * 1000
-        currency = rng.choice(_CURRENCIES)
-        split: Split = "heldout" if len(countries) % 5 == 0 else "train"
-        countries.append(Country(name, capital, population, currency, split))
+        countries.append(Country(name, capital, population, rng.choice(_CURRENCIES), split))
     return countries
 
 
-def _build_table() -> dict[str, Country]:
+def _city(rng: random.Random) -> str:
+    return pseudo_word(rng, rng.randint(1, 2)).capitalize() + rng.choice(_CITY_ENDINGS)
+
+
+@functools.cache
+def country_table() -> dict[str, Country]:
+    """The lookup tool's table by lowercase name: real countries and 20,000 fictional ones."""
     real = [Country(n, c, p, cur, "train") for n, c, p, cur in REAL_COUNTRIES]
     return {country.name.lower(): country for country in real + _fictional_countries()}
 
 
-COUNTRIES: dict[str, Country] = _build_table()
-
-
+@functools.cache
 def countries_in(split: Split) -> tuple[Country, ...]:
-    return tuple(c for c in COUNTRIES.values() if c.split == split)
+    return tuple(c for c in country_table().values() if c.split == split)
 
 
 def unknown_country_name(rng: random.Random, split: Split) -> str:
     """A made-up country that is not in the table (for the lookup tool's error path)."""
-    while True:
-        name = _stem(rng, 2) + rng.choice(_COUNTRY_ENDINGS)
-        if name.lower() not in COUNTRIES and split_of(name) == split:
-            return name
+
+    def make() -> str:
+        return pseudo_word(rng, 2).capitalize() + rng.choice(_COUNTRY_ENDINGS)
+
+    return _fresh(rng, split, make, country_table())
+
+
+def person_name(rng: random.Random, split: Split) -> str:
+    """A first name: a common one, or a made-up one, so that names are copied, not memorized."""
+    if rng.random() < 0.4:
+        return rng.choice(in_split(FIRST_NAMES, split))
+    return _fresh(rng, split, lambda: pseudo_word(rng, rng.randint(1, 3)).capitalize(), ())
+
+
+def text_word(rng: random.Random, split: Split) -> str:
+    """A word for the string tool: an English word, a made-up word, or random letters."""
+    kind = rng.random()
+    if kind < 0.4:
+        return rng.choice(in_split(STRING_WORDS, split))
+    if kind < 0.8:
+        return _fresh(rng, split, lambda: pseudo_word(rng, rng.randint(1, 3)), ())
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return _fresh(rng, split, lambda: "".join(rng.choices(letters, k=rng.randint(3, 8))), ())

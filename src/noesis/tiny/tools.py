@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from noesis.tiny.lexicon import COUNTRIES
+from noesis.tiny.lexicon import country_table
 
 ERROR_PREFIX = "error: "
 
@@ -288,7 +288,7 @@ COUNTRY_FIELDS = ("capital", "population", "currency")
 
 
 def _run_lookup(args: dict[str, Any]) -> str:
-    country = COUNTRIES.get(args["country"].strip().lower())
+    country = country_table().get(args["country"].strip().lower())
     if country is None:
         raise ToolError(f"unknown country {args['country']!r}")
     value = getattr(country, args["field"])
