@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=40)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--show", type=int, default=3, help="print this many transcripts")
+    parser.add_argument("--json", help="also write the summary to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -82,6 +83,9 @@ def main() -> None:
         summary["draft_greedy_agreement"] = agree / max(total, 1)
     summary["seconds"] = round(time.time() - began, 1)
     print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(summary, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from noesis.tiny import data, train
+from noesis.tiny import corpus, data, harmony, train
 from noesis.tiny.model import LlamaConfig, LlamaForCausalLM, count_parameters
 
 
@@ -91,7 +91,7 @@ def test_transformers_loads_the_export_with_the_same_logits(data_dir, tmp_path):
     train.export(model, tmp_path, data_dir, torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     hf.eval()
-    ids = torch.from_numpy(data.TokenStream(data_dir, "heldout", 48).windows(np.array([0, 50])))
+    ids = torch.from_numpy(data.TokenStream(data_dir, "heldout", 48).windows(np.array([0, 50]))[0])
     with torch.no_grad():
         ours, theirs = model(ids), hf(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
@@ -138,3 +138,23 @@ def test_compile_failure_falls_back_to_eager(data_dir, monkeypatch, capsys):
     stream = data.TokenStream(data_dir, "train", 32)
     result = train.train(model, stream, stream, replace(config, compile=True), torch.device("cpu"))
     assert result.steps == 2 and "training eagerly" in capsys.readouterr().out
+
+
+def test_history_turns_are_masked_out_of_the_loss(data_dir):
+    example = next(e for e in corpus.generate(3, "train", 400) if e.history_spans())
+    tok = data.tokenizer.load(data_dir / data.TOKENIZER_DIR)
+    encoding = tok.encode(example.text(), add_special_tokens=False)
+    mask = data._loss_mask(encoding.offsets, example.history_spans())
+    masked = tok.decode([i for i, m in zip(encoding.ids, mask, strict=False) if not m], False)
+    history = [m for m in example.prompt_messages if m["role"] == "assistant"]
+    assert masked == "".join(harmony.assistant_text(m, is_last=False) for m in history)
+    assert mask[-1] == 1 and mask.size == len(encoding.ids) + 1
+    stream = data.TokenStream(data_dir, "train", 64)
+    tokens, loss_mask = stream.batch(np.random.default_rng(0), 8)
+    assert tokens.shape == loss_mask.shape == (8, 65) and loss_mask.dtype == bool
+    inputs, targets = train._to_device(
+        (tokens, loss_mask), train.TrainConfig(), torch.device("cpu")
+    )
+    assert torch.equal(targets == -100, torch.from_numpy(~loss_mask[:, 1:]))
+    unmasked = train.TrainConfig(mask_history=False)
+    assert (train._to_device((tokens, loss_mask), unmasked, torch.device("cpu"))[1] >= 0).all()

@@ -74,7 +74,9 @@ class Engine:
         rope = RotaryEmbedding(
             model_config.rope, model_config.max_position_embeddings, self.max_model_len, self.device
         )
-        self.runner = ModelRunner(self.loaded.model, self.kv, rope, self.device)
+        self.runner = ModelRunner(
+            self.loaded.model, self.kv, rope, self.device, self.max_model_len
+        )
         self.timings = {"load_s": self.loaded.load_seconds, "capture_s": 0.0}
         if self.device.type == "cuda" and config.cuda_graphs:
             max_batch = config.max_graph_batch or min(config.max_num_seqs, 128)

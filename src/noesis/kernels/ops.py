@@ -48,12 +48,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x @ weight^T + bias; a single-row input on CUDA may take the Triton GEMV."""
-    if _GEMV_ENABLED and x.shape[0] == 1 and x.dim() == 2 and use_triton(x) and x.is_contiguous():
-        return _triton().gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-_GEMV_ENABLED = os.environ.get("NOESIS_TRITON_GEMV") == "1"

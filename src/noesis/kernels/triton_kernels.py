@@ -18,7 +18,7 @@ def partition_size(batch: int) -> int:
     return 64 if batch <= 8 else 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_tb", "stride_ob", "stride_lb"])
 def _paged_decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
     scale, window,
@@ -80,7 +80,7 @@ def _paged_decode_partial(
     tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ob", "stride_lb"])
 def _paged_decode_reduce(
     part_out_ptr, part_lse_ptr, lens_ptr, out_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
@@ -289,43 +289,3 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         ROT_HALF=rot_half, HALF_PAD=triton.next_power_of_2(rot_half),
         DIM_PAD=triton.next_power_of_2(head_dim), num_warps=1,
     )
-
-
-# ---- GEMV for single-row decodes ----------------------------------------------------------------
-
-_GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in [
-        (4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3),
-        (32, 256, 8, 3), (4, 2048, 8, 2),
-    ]
-]
-
-
-@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K"])
-@triton.jit
-def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N], reading the weight once at full bandwidth."""
-    n, k = weight.shape
-    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv[grid](x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-                HAS_BIAS=bias is not None)
-    return y

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from noesis.kernels import ops
 from noesis.models.config import ModelConfig
 from noesis.models.layers import Attention, GatedMLP, RMSNorm
 
@@ -63,4 +62,4 @@ class DecoderLM(nn.Module):
         """Final norm and LM head over the chosen rows only: [B, D] -> [B, V] float32."""
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight).float()
+        return torch.nn.functional.linear(hidden, weight).float()

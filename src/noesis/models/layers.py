@@ -9,13 +9,6 @@ from noesis.kernels import ops
 from noesis.models.config import ModelConfig
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose forward goes through kernels.ops (single-row GEMV on CUDA)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,10 +34,10 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_window
-        self.qkv_proj = Linear(
+        self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -71,10 +64,10 @@ class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
+        self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = Linear(
+        self.down_proj = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
 

@@ -79,10 +79,13 @@ class TorchPagedAttention:
 class TritonPagedAttention(TorchPagedAttention):
     name = "triton-paged"
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int) -> None:
         from noesis.kernels import triton_kernels
 
         self.kernels = triton_kernels
+        # The kernel sizes its context splits for the longest possible context, not the
+        # longest in the batch: one compiled variant, shared by graphs and eager steps.
+        self.max_model_len = max_model_len
 
     def rope_and_store(self, q, k, v, cos, sin, kv_cache, meta: AttentionMetadata):
         self.kernels.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
@@ -91,7 +94,7 @@ class TritonPagedAttention(TorchPagedAttention):
     def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None):
         return self.kernels.paged_decode_attention(
             q, kv_cache[0], kv_cache[1], meta.decode_pages, meta.decode_ctx_lens, scale,
-            meta.max_decode_ctx, window,
+            self.max_model_len, window,
         )
 
 

@@ -8,6 +8,7 @@ import torch
 
 from noesis.engine.scheduler import ScheduledSeq, StepPlan
 from noesis.engine.sequence import Sequence
+from noesis.kernels import ops
 from noesis.kv.cache import KVPool
 from noesis.models.decoder import DecoderLM
 from noesis.models.rope import RotaryEmbedding
@@ -30,13 +31,14 @@ class ModelRunner:
         kv: KVPool,
         rope: RotaryEmbedding,
         device: torch.device,
+        max_model_len: int,
         attention=None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.rope = rope
         self.device = device
-        self.attention = attention or default_attention(device)
+        self.attention = attention or default_attention(device, max_model_len)
         self.vocab_size = model.config.vocab_size
         self.graphs: CudaGraphRunner | None = None
 
@@ -195,11 +197,11 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
 
-def default_attention(device: torch.device):
+def default_attention(device: torch.device, max_model_len: int):
     """The Triton paged backend on CUDA when Triton imports; the SDPA backend elsewhere."""
-    if device.type == "cuda":
+    if device.type == "cuda" and ops.use_triton(torch.empty(0, device=device)):
         try:
-            return TritonPagedAttention()
+            return TritonPagedAttention(max_model_len)
         except ImportError:
             pass
     return TorchPagedAttention()

@@ -55,6 +55,19 @@ class Example:
     def text(self) -> str:
         return harmony.render(self.messages, self.tools)
 
+    def history_spans(self) -> list[tuple[int, int]]:
+        """Character spans in text() of the assistant turns before the last user message: context
+        the model reads but should not learn to write (their analysis is dropped, so they would
+        teach it to skip analysis and to run on past a final answer)."""
+        text, spans, position = self.text(), [], 0
+        for message in self.prompt_messages:
+            if message["role"] == "assistant":
+                segment = harmony.assistant_text(message, is_last=False)
+                begin = text.index(segment, position)
+                position = begin + len(segment)
+                spans.append((begin, position))
+        return spans
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -169,11 +182,20 @@ def generate(seed: int, split: Split, count: int, start: int = 0) -> list[Exampl
 
 def texts(seed: int, split: Split, count: int, start: int = 0, doc_every: int = 6) -> Iterator[str]:
     """Harmony conversations, with a plain English document in place of every `doc_every`-th."""
+    for text, _ in training_items(seed, split, count, start, doc_every):
+        yield text
+
+
+def training_items(
+    seed: int, split: Split, count: int, start: int = 0, doc_every: int = 6
+) -> Iterator[tuple[str, list[tuple[int, int]]]]:
+    """What texts() yields, each with the character spans not to train on (history_spans)."""
     for i in range(start, start + count):
         if doc_every and i % doc_every == doc_every - 1:
-            yield document(seed, split, i)
+            yield document(seed, split, i), []
         else:
-            yield example(seed, split, i).text()
+            item = example(seed, split, i)
+            yield item.text(), item.history_spans()
 
 
 def document(seed: int, split: Split, index: int) -> str:

@@ -37,7 +37,7 @@ class DataConfig:
 
 
 def build(out: Path, config: DataConfig, workers: int = 0) -> dict[str, object]:
-    """Write tokenizer/, {split}.tokens.npy, {split}.starts.npy and meta.json under `out`."""
+    """Write tokenizer/, {split}.tokens.npy, .loss_mask.npy, .starts.npy and meta.json."""
     out.mkdir(parents=True, exist_ok=True)
     began = time.time()
     texts = corpus.texts(config.seed, "train", config.tokenizer_items, doc_every=config.doc_every)
@@ -45,8 +45,9 @@ def build(out: Path, config: DataConfig, workers: int = 0) -> dict[str, object]:
     tokenizer.save(tok, out / TOKENIZER_DIR)
     meta: dict[str, object] = {"config": asdict(config), "tokenizer_seconds": time.time() - began}
     for split, count in (("train", config.train_items), ("heldout", config.heldout_items)):
-        tokens, starts = encode_split(tok, config, split, count, workers)
+        tokens, loss_mask, starts = encode_split(tok, config, split, count, workers)
         np.save(out / f"{split}.tokens.npy", tokens)
+        np.save(out / f"{split}.loss_mask.npy", loss_mask)
         np.save(out / f"{split}.starts.npy", starts)
         meta[f"{split}_tokens"] = int(tokens.size)
         meta[f"{split}_items"] = count
@@ -57,66 +58,81 @@ def build(out: Path, config: DataConfig, workers: int = 0) -> dict[str, object]:
 
 def encode_split(
     tok: Tokenizer, config: DataConfig, split: Split, count: int, workers: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """One uint16 stream of a split's items, each followed by <|endoftext|>, and the item starts."""
-    jobs = [
-        (
-            tok.to_str(),
-            config.seed,
-            split,
-            start,
-            min(config.chunk_items, count - start),
-            config.doc_every,
-        )
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A split's items as one uint16 stream, each followed by <|endoftext|>; a parallel loss mask
+    (0 on earlier assistant turns, see Example.history_spans); and the item starts."""
+    tokenizer_json = tok.to_str()
+    chunks = [
+        (start, min(config.chunk_items, count - start))
         for start in range(0, count, config.chunk_items)
     ]
+    jobs = [(tokenizer_json, config.seed, split, start, n, config.doc_every) for start, n in chunks]
     workers = workers or os.cpu_count() or 1
     if workers == 1 or len(jobs) == 1:
         parts = [_encode_chunk(job) for job in jobs]
     else:
         with ProcessPoolExecutor(workers) as pool:
             parts = list(pool.map(_encode_chunk, jobs))
-    lengths = np.concatenate([p for p, _ in parts])
-    tokens = np.concatenate([t for _, t in parts])
+    lengths = np.concatenate([p[0] for p in parts])
+    tokens = np.concatenate([p[1] for p in parts])
+    loss_mask = np.concatenate([p[2] for p in parts])
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    return tokens, starts
+    return tokens, loss_mask, starts
 
 
-def _encode_chunk(job: tuple[str, int, Split, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_chunk(
+    job: tuple[str, int, Split, int, int, int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     tokenizer_json, seed, split, start, count, doc_every = job
     tok = Tokenizer.from_str(tokenizer_json)
     separator = tok.token_to_id(ENDOFTEXT)
-    texts = list(corpus.texts(seed, split, count, start=start, doc_every=doc_every))
-    encoded = [e.ids + [separator] for e in tok.encode_batch(texts, add_special_tokens=False)]
-    lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
-    tokens = np.fromiter(
-        (i for ids in encoded for i in ids), dtype=np.uint16, count=int(lengths.sum())
-    )
-    return lengths, tokens
+    items = list(corpus.training_items(seed, split, count, start=start, doc_every=doc_every))
+    encodings = tok.encode_batch([text for text, _ in items], add_special_tokens=False)
+    tokens, masks = [], []
+    for encoding, (_, spans) in zip(encodings, items, strict=True):
+        tokens.append(np.array(encoding.ids + [separator], dtype=np.uint16))
+        masks.append(_loss_mask(encoding.offsets, spans))
+    lengths = np.array([t.size for t in tokens], dtype=np.int64)
+    return lengths, np.concatenate(tokens), np.concatenate(masks)
+
+
+def _loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token (and the trailing separator) to train on, 0 inside the spans."""
+    begins = np.array([begin for begin, _ in offsets] + [-1])
+    mask = np.ones(begins.size, dtype=np.uint8)
+    for begin, end in spans:
+        mask[(begins >= begin) & (begins < end)] = 0
+    return mask
+
+
+Batch = tuple[np.ndarray, np.ndarray]  # token ids [B, T+1] int64, loss mask [B, T+1] bool
 
 
 class TokenStream:
-    """Windows of `seq_len + 1` tokens that each begin at the start of an item."""
+    """Windows of `seq_len + 1` tokens that each begin at the start of an item, with their mask
+    (all ones for data built before masks existed)."""
 
     def __init__(self, directory: Path, split: Split, seq_len: int):
         self.tokens = np.load(directory / f"{split}.tokens.npy", mmap_mode="r")
+        mask_path = directory / f"{split}.loss_mask.npy"
+        self.loss_mask = np.load(mask_path, mmap_mode="r") if mask_path.exists() else None
         starts = np.load(directory / f"{split}.starts.npy")
         self.starts = starts[starts + seq_len + 1 <= self.tokens.size]
         if self.starts.size == 0:
             raise ValueError(f"{split} split has fewer than {seq_len + 1} tokens")
         self.seq_len = seq_len
 
-    def batch(self, rng: np.random.Generator, batch_size: int) -> np.ndarray:
-        picked = rng.choice(self.starts, size=batch_size)
-        return self.windows(picked)
+    def batch(self, rng: np.random.Generator, batch_size: int) -> Batch:
+        return self.windows(rng.choice(self.starts, size=batch_size))
 
-    def windows(self, starts: np.ndarray) -> np.ndarray:
-        offsets = np.arange(self.seq_len + 1)
-        return np.asarray(
-            self.tokens[starts[:, None] + offsets[None, :]], dtype=np.int64
-        )  # [B, T+1]
+    def windows(self, starts: np.ndarray) -> Batch:
+        index = starts[:, None] + np.arange(self.seq_len + 1)[None, :]  # [B, T+1]
+        tokens = np.asarray(self.tokens[index], dtype=np.int64)
+        if self.loss_mask is None:
+            return tokens, np.ones(tokens.shape, dtype=bool)
+        return tokens, np.asarray(self.loss_mask[index], dtype=bool)
 
-    def fixed_batches(self, batch_size: int, num_batches: int) -> list[np.ndarray]:
+    def fixed_batches(self, batch_size: int, num_batches: int) -> list[Batch]:
         """The same evaluation batches every time: evenly spaced item starts."""
         count = min(self.starts.size, batch_size * num_batches)
         picked = self.starts[np.linspace(0, self.starts.size - 1, count).astype(np.int64)]

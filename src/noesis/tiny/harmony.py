@@ -127,6 +127,11 @@ def _conversation(messages: list[dict[str, Any]], closing: bool) -> list[str]:
     return parts
 
 
+def assistant_text(message: dict[str, Any], is_last: bool) -> str:
+    """One assistant turn: analysis, then tool calls or a final (closed by <|return|> if last)."""
+    return "".join(_assistant(message, is_last))
+
+
 def _assistant(message: dict[str, Any], is_last: bool) -> list[str]:
     parts = []
     if message.get("thinking"):

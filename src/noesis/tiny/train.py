@@ -79,6 +79,8 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 50
     compile: bool = False
+    # No loss on assistant turns before the last user message (Example.history_spans).
+    mask_history: bool = True
 
 
 @dataclass
@@ -124,21 +126,21 @@ def train(
         lr = learning_rate(config, result.steps, progress)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = torch.from_numpy(stream.batch(rng, config.batch_size)).to(device, non_blocking=True)
+        batch = _to_device(stream.batch(rng, config.batch_size), config, device)
         loss, step_fn = _step(model, step_fn, optimizer, batch, config, device)
         window.append(loss)
         result.steps += 1
-        result.tokens += batch.shape[0] * (batch.shape[1] - 1)
+        result.tokens += batch[0].numel()
         if result.steps % config.log_every == 0:
             _log(result, window, lr, began)
             window = []
         if result.steps % config.eval_every == 0:
-            result.heldout_loss = evaluate(model, eval_batches, device)
+            result.heldout_loss = evaluate(model, eval_batches, config, device)
             print(f"step {result.steps} heldout_loss {result.heldout_loss:.4f}", flush=True)
     if window:
         _log(result, window, lr, began)
     result.seconds = time.time() - began
-    result.heldout_loss = evaluate(model, eval_batches, device)
+    result.heldout_loss = evaluate(model, eval_batches, config, device)
     print(f"final step {result.steps} heldout_loss {result.heldout_loss:.4f}", flush=True)
     return result
 
@@ -147,7 +149,7 @@ def _step(
     model: LlamaForCausalLM,
     step_fn: Callable[[torch.Tensor], torch.Tensor],
     optimizer: torch.optim.Optimizer,
-    batch: torch.Tensor,
+    batch: tuple[torch.Tensor, torch.Tensor],
     config: TrainConfig,
     device: torch.device,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
@@ -169,19 +171,35 @@ def _step(
     return loss.detach(), step_fn
 
 
+def _to_device(
+    batch: data.Batch, config: TrainConfig, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, T+1] and the targets to score: -100 where the loss mask is off."""
+    tokens = torch.from_numpy(batch[0]).to(device, non_blocking=True)
+    targets = tokens[:, 1:]
+    if config.mask_history:
+        keep = torch.from_numpy(batch[1][:, 1:]).to(device, non_blocking=True)
+        targets = targets.masked_fill(~keep, -100)
+    return tokens[:, :-1], targets
+
+
 def _loss(
-    forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, device: torch.device
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
 ) -> torch.Tensor:
-    inputs, targets = batch[:, :-1], batch[:, 1:]
+    inputs, targets = batch
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         logits = forward(inputs)  # [B, T, V]
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 @torch.no_grad()
-def evaluate(model: LlamaForCausalLM, batches: list[np.ndarray], device: torch.device) -> float:
+def evaluate(
+    model: LlamaForCausalLM, batches: list[data.Batch], config: TrainConfig, device: torch.device
+) -> float:
     model.eval()
-    losses = [_loss(model, torch.from_numpy(b).to(device), device).item() for b in batches]
+    losses = [_loss(model, _to_device(b, config, device), device).item() for b in batches]
     model.train()
     return float(np.mean(losses))
 
@@ -343,6 +361,12 @@ def _parser() -> argparse.ArgumentParser:
         value = getattr(defaults, name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument(
+        "--mask-history",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.mask_history,
+        help="no loss on assistant turns before the last user message",
+    )
     return parser
 
 
