@@ -4,8 +4,8 @@ examples with noesis.tiny.evaluate, and measure draft/target greedy agreement.
 The engine-backed `noesis eval tools` is the real harness; this script only tells whether a trained
 pair is sane, with the same scoring functions.
 
-    PYTHONPATH=src python scripts/tiny/hf_eval.py models/noesis-tiny \
-        --draft models/noesis-tiny-draft --n 40
+    PYTHONPATH=src python scripts/tiny/hf_eval.py models/noesis-tiny --n 200
+        --draft models/noesis-tiny-draft --json eval.json   # (one command line)
 """
 
 from __future__ import annotations

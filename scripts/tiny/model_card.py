@@ -13,10 +13,7 @@ from pathlib import Path
 from noesis.tiny.corpus import DEFAULT_MIXTURE
 from noesis.tiny.tools import TOOLS
 
-PAIR_COMMAND = (
-    "TRAIN_ITEMS=600000 TARGET_MINUTES=5 DRAFT_MINUTES=3 TRAIN_ARGS=--no-mask-history \\\n"
-    "    PYTHONPATH=src scripts/tiny/train_pair.sh /tmp/tiny 460"
-)
+PAIR_COMMAND = "TRAIN_ARGS=--no-mask-history PYTHONPATH=src scripts/tiny/train_pair.sh /tmp/tiny"
 
 
 def card(directory: Path, hf_eval: dict | None, pair_command: str, notes: str) -> str:

@@ -9,7 +9,7 @@
 # DRAFT_MINUTES, SEED, COMPILE (1 to use torch.compile), TRAIN_ARGS (more train options for both).
 set -euo pipefail
 out=${1:?usage: train_pair.sh OUT_DIR [DEADLINE_SECONDS]}
-deadline=${2:-540}
+deadline=${2:-460}
 python=${PYTHON:-python3}
 seed=${SEED:-0}
 compile=$([ "${COMPILE:-1}" = 1 ] && echo --compile || true)
@@ -17,13 +17,13 @@ began=$SECONDS
 mkdir -p "$out"
 
 "$python" -m noesis.tiny.data --out "$out/data" --seed "$seed" \
-    --train-items "${TRAIN_ITEMS:-800000}" 2>&1 | tee "$out/data.log"
+    --train-items "${TRAIN_ITEMS:-600000}" 2>&1 | tee "$out/data.log"
 
 # Whatever the data build took, leave 45 s for the final evaluation and export.
 left=$((deadline - (SECONDS - began) - 45))
 minutes() { "$python" -c "print(round(max(0.1, min($1, $left / 60)), 2))"; }
-target_minutes=$(minutes "${TARGET_MINUTES:-7}")
-draft_minutes=$(minutes "${DRAFT_MINUTES:-3.5}")
+target_minutes=$(minutes "${TARGET_MINUTES:-5}")
+draft_minutes=$(minutes "${DRAFT_MINUTES:-3}")
 echo "training: target ${target_minutes} min, draft ${draft_minutes} min (side by side)"
 
 "$python" -m noesis.tiny.train --data "$out/data" --out "$out/noesis-tiny-draft" --size draft \

@@ -25,7 +25,7 @@ def checkpoint(tmp_path_factory):
     return build_checkpoint(
         tmp_path_factory.mktemp("gpu") / "llama",
         "llama",
-        std=0.3,
+        std=0.1,
         dtype=torch.bfloat16,
         hidden_size=256,
         intermediate_size=512,

@@ -28,7 +28,7 @@ TOKENIZER_DIR = "tokenizer"
 @dataclass(frozen=True)
 class DataConfig:
     seed: int = 0
-    train_items: int = 400_000  # conversations and documents
+    train_items: int = 600_000  # conversations and documents
     heldout_items: int = 4_000
     tokenizer_items: int = 40_000  # the first train items, used to fit the BPE merges
     doc_every: int = 6  # every 6th item is a plain English document
