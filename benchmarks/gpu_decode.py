@@ -90,7 +90,10 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
     for batch in batches:
         prompts = [prompt_ids(128, 100 + i) for i in range(batch)]
         first = run(prompts, 1)
+        counts = dict(engine.runner.step_counts)
         full = run(prompts, NEW_TOKENS)
+        graph_steps = engine.runner.step_counts["graph"] - counts["graph"]
+        eager_steps = engine.runner.step_counts["eager"] - counts["eager"]
         decode_tok_s = batch * (NEW_TOKENS - 1) / (full - first)
         avg_ctx = 128 + NEW_TOKENS / 2
         step_bytes = weight_bytes + batch * avg_ctx * kv_per_token
@@ -98,6 +101,7 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
         result["batches"][batch] = {
             "total_tok_s": batch * NEW_TOKENS / full, "decode_tok_s": decode_tok_s,
             "roofline_tok_s": roofline, "share_of_roofline": decode_tok_s / roofline,
+            "graph_steps": graph_steps, "eager_steps": eager_steps,
         }
     return result
 
@@ -220,7 +224,8 @@ def print_table(report: dict) -> None:
         for batch, b in n["batches"].items():
             print(f"{'':<10}batch {batch:>3}: decode {b['decode_tok_s']:>8.0f} tok/s "
                   f"({b['share_of_roofline']:.0%} of {b['roofline_tok_s']:.0f}), "
-                  f"end-to-end {b['total_tok_s']:.0f} tok/s")
+                  f"end-to-end {b['total_tok_s']:.0f} tok/s, steps graph/eager "
+                  f"{b.get('graph_steps', '?')}/{b.get('eager_steps', '?')}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,10 @@ class TritonPagedAttention(TorchPagedAttention):
         # The kernel sizes its context splits for the longest possible context, not the
         # longest in the batch: one compiled variant, shared by graphs and eager steps.
         self.max_model_len = max_model_len
+        # cuDNN's SDPA builds an execution plan for every new (query, key) length pair, about a
+        # second each (measured on an H200 as 1 s time-to-first-token spikes when cached prefixes
+        # made new shapes); the flash and memory-efficient kernels need no per-shape build.
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     def rope_and_store(self, q, k, v, cos, sin, kv_cache, meta: AttentionMetadata):
         self.kernels.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])

@@ -41,6 +41,7 @@ class ModelRunner:
         self.attention = attention or default_attention(device, max_model_len)
         self.vocab_size = model.config.vocab_size
         self.graphs: CudaGraphRunner | None = None
+        self.step_counts = {"graph": 0, "eager": 0}  # how steps ran, for benchmarks
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> float:
         """Capture decode graphs (CUDA only); returns the seconds it took."""
@@ -56,8 +57,10 @@ class ModelRunner:
         sampling = [item.seq for item in plan.scheduled if item.samples]
         if self.graphs is not None and self.graphs.can_replay(plan):
             logits = self.graphs.replay(plan)
+            self.step_counts["graph"] += 1
         else:
             logits = self.forward_eager(plan)
+            self.step_counts["eager"] += 1
         if not sampling:
             return {}
         out = sample(logits, self.sampling_tensors(sampling))
