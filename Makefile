@@ -6,7 +6,6 @@ CPU_TORCH := torch==2.13.0
 # Triton runs the CUDA kernels' tests on the CPU through its interpreter.
 CPU_TRITON := triton==3.6.0
 BUNDLED := models/noesis-tiny
-DEMO_CHECKPOINT := .cache/random-tiny
 
 .PHONY: setup test test-all lint run serve bench-cpu clean
 
@@ -33,15 +32,10 @@ test: lint
 test-all: setup
 	$(PY) -m pytest tests -q -m "not gpu"
 
+# One question that needs a tool: the bundled model reasons (analysis), calls the calculator, reads
+# its real result and answers (final).
 run: setup
-	@if [ -d $(BUNDLED) ]; then \
-		$(VENV)/bin/noesis chat --model $(BUNDLED) "What is 17 times 23?"; \
-	else \
-		test -f $(DEMO_CHECKPOINT)/config.json || \
-			$(PY) scripts/make_random_checkpoint.py --shape tiny --out $(DEMO_CHECKPOINT); \
-		echo "(bundled model not present yet: running a random-weight demo checkpoint)"; \
-		$(VENV)/bin/noesis generate --model $(DEMO_CHECKPOINT) --prompt "Hello" --max-tokens 32 --seed 0; \
-	fi
+	$(VENV)/bin/noesis chat --model $(BUNDLED) --temperature 0 "What is 17 times 23?"
 
 bench-cpu: setup
 	$(PY) benchmarks/cpu_decode.py

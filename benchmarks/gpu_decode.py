@@ -84,6 +84,7 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
         "decode_tok_s": 1 / step_s, "step_ms": step_s * 1e3,
         "gpu_step_ms": gpu_step_s * 1e3, "host_overhead_ms": (step_s - gpu_step_s) * 1e3,
         "roofline_tok_s": bandwidth / weight_bytes,
+        "buckets": bucket_profile(engine),
         "batches": {},
     }
     kv_per_token = 2 * engine.loaded.config.num_layers * engine.loaded.config.kv_size * 2
@@ -104,6 +105,31 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
             "graph_steps": graph_steps, "eager_steps": eager_steps,
         }
     return result
+
+
+def bucket_profile(engine) -> dict:
+    """GPU ms of one graph replay and of greedy sampling, per captured batch bucket."""
+    from noesis.sampling.sampler import SamplingTensors, sample
+
+    graphs = engine.runner.graphs
+    profile = {}
+    for batch, graph in sorted(graphs.graphs.items()):
+        replay = event_time(graph.replay)
+        logits = graphs.logits[batch]
+        sampling = event_time(lambda logits=logits: sample(logits, SamplingTensors.greedy()))
+        profile[batch] = {"replay_ms": replay * 1e3, "greedy_sample_ms": sampling * 1e3}
+    return profile
+
+
+def event_time(fn, repeats: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
 
 
 def graph_step_seconds(engine) -> float:
@@ -221,6 +247,9 @@ def print_table(report: dict) -> None:
         print(f"{'':<10}noesis step: {n['step_ms']:.3f} ms = GPU {n['gpu_step_ms']:.3f} + host "
               f"{n['host_overhead_ms']:.3f}; load {n['load_s']:.1f}s, "
               f"capture {n['capture_s']:.1f}s")
+        buckets = n.get("buckets", {})
+        print(f"{'':<10}graph replay ms by bucket: " + ", ".join(
+            f"{b}: {v['replay_ms']:.2f}+{v['greedy_sample_ms']:.2f}" for b, v in buckets.items()))
         for batch, b in n["batches"].items():
             print(f"{'':<10}batch {batch:>3}: decode {b['decode_tok_s']:>8.0f} tok/s "
                   f"({b['share_of_roofline']:.0%} of {b['roofline_tok_s']:.0f}), "

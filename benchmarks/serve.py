@@ -100,27 +100,87 @@ def stop_server(process: subprocess.Popen) -> None:
 # ---- one request ---------------------------------------------------------------------------------
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
+class Connection:
+    """One keep-alive HTTP/1.1 connection with just enough client to read SSE at full speed.
+
+    A general client (httpx + json per line) costs ~150 us of CPU per streamed event, which
+    caps one load-generator process near 6,000 events/s: the benchmark would measure itself.
+    This one splits the chunked body into events and parses JSON only for the usage chunk.
+    """
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.removeprefix("http://").partition(":")
+        self.host, self.port = host, int(port or 80)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, asyncio.StreamReader, dict]:
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nAccept: text/event-stream\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        status_line = await self.reader.readline()
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if not status_line:
+            raise ConnectionError("the server closed the connection")
+        return int(status_line.split()[1]), self.reader, headers
+
+    async def body_chunks(self, reader: asyncio.StreamReader, headers: dict):
+        """The response body as the pieces the server wrote (chunked or by length)."""
+        if headers.get("transfer-encoding") != "chunked":
+            yield await reader.readexactly(int(headers.get("content-length", 0)))
+            return
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                return
+            yield data[:-2]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+CHOICES = (b'"choices":[{', b'"choices": [{')  # with or without spaces after separators
+USAGE = (b'"usage":{', b'"usage": {')
+ERROR = (b'"error":{', b'"error": {')
+
+
+def _has(event: bytes, patterns: tuple[bytes, bytes]) -> bool:
+    return patterns[0] in event or patterns[1] in event
+
+
+async def stream_request(conn: Connection, path: str, body: dict) -> Sample:
     """Send one streaming request; time its first token and the gaps after it."""
     sample, first, last = Sample(), None, None
     start = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return Sample(error=f"{response.status_code}: {response.text[:200]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return Sample(error=chunk["error"]["message"])
-                if chunk.get("choices"):
-                    last = time.perf_counter()
-                    first = first or last
-                if chunk.get("usage"):
-                    sample.tokens = chunk["usage"]["completion_tokens"]
-    except httpx.HTTPError as exc:
+        status, reader, headers = await conn.post(path, json.dumps(body).encode())
+        if status != 200:
+            text = b"".join([c async for c in conn.body_chunks(reader, headers)])
+            return Sample(error=f"{status}: {text[:200].decode(errors='replace')}")
+        pending = b""
+        async for data in conn.body_chunks(reader, headers):
+            now = time.perf_counter()
+            *events, pending = (pending + data).split(b"\n\n")
+            for event in events:
+                if _has(event, CHOICES):  # a chunk that carries choice deltas
+                    last = now
+                    first = first or now
+                elif _has(event, USAGE):
+                    sample.tokens = json.loads(event[6:])["usage"]["completion_tokens"]
+                elif _has(event, ERROR):
+                    return Sample(error=json.loads(event[6:])["error"]["message"])
+    except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+        conn.close()
         return Sample(error=repr(exc))
     if first is None:
         return Sample(error="no tokens")
@@ -128,6 +188,14 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> Sam
     if sample.tokens > 1:
         sample.tpot = (last - first) / (sample.tokens - 1)
     return sample
+
+
+async def _bounded(request, timeout: float, conn: Connection) -> Sample:
+    try:
+        return await asyncio.wait_for(request, timeout)
+    except asyncio.TimeoutError:
+        conn.close()
+        return Sample(error=f"no answer within {timeout} s")
 
 
 def completion_body(args: argparse.Namespace, rng: random.Random) -> dict:
@@ -152,20 +220,75 @@ async def run_level(args: argparse.Namespace, url: str, concurrency: int) -> dic
     total = args.requests * concurrency
     sent, samples = 0, []
     deadline = time.perf_counter() + args.max_seconds
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
 
-        async def worker() -> None:
-            nonlocal sent
+    async def worker() -> None:
+        nonlocal sent
+        conn = Connection(url)
+        try:
             while sent < total and time.perf_counter() < deadline:
                 sent += 1
                 body = completion_body(args, rng)
-                samples.append(await stream_request(client, url + "/v1/completions", body))
+                request = stream_request(conn, "/v1/completions", body)
+                samples.append(await _bounded(request, args.request_timeout, conn))
+        finally:
+            conn.close()
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    return summarize(concurrency, samples, wall)
+    cpu = CpuClock(args.server_pid)
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    return summarize(concurrency, samples, wall) | cpu.per_token(sum(s.tokens for s in samples))
+
+
+class CpuClock:
+    """CPU seconds spent by the server's processes, its event-loop thread, and this client.
+
+    Server CPU per output token is the serving overhead that a fast engine step exposes; read
+    from /proc (server process and its children, e.g. the engine process), so only for a
+    server whose pid is known, on Linux.
+    """
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.pid = server_pid if server_pid and Path(f"/proc/{server_pid}").exists() else None
+        self.start = self._read()
+
+    def _read(self) -> tuple[float, float, float]:
+        client = time.process_time()
+        if self.pid is None:
+            return client, 0.0, 0.0
+        ticks = os.sysconf("SC_CLK_TCK")
+        every = sum(_proc_cpu(f"/proc/{pid}/stat") for pid in _process_tree(self.pid)) / ticks
+        loop = _proc_cpu(f"/proc/{self.pid}/task/{self.pid}/stat") / ticks  # the main thread
+        return client, every, loop
+
+    def per_token(self, tokens: int) -> dict:
+        client, every, loop = (b - a for a, b in zip(self.start, self._read(), strict=True))
+        us = 1e6 / max(tokens, 1)
+        out = {"client_cpu_us_per_token": client * us}
+        if self.pid is not None:
+            out |= {"server_cpu_us_per_token": every * us, "loop_cpu_us_per_token": loop * us}
+        return out
+
+
+def _process_tree(pid: int) -> list[int]:
+    """pid and its descendants (children that exit between two reads drop out of the sum)."""
+    pids, todo = [], [pid]
+    while todo:
+        pids.append(todo.pop())
+        for task in Path(f"/proc/{pids[-1]}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return pids
+
+
+def _proc_cpu(path: str) -> int:
+    try:
+        fields = Path(path).read_text().rpartition(")")[2].split()
+    except OSError:  # exited
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
 
 
 def summarize(concurrency: int, samples: list[Sample], wall: float) -> dict:
@@ -261,14 +384,17 @@ async def chat_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple
 HEADER = (
     f"{'conc':>5} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} "
     f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)"
+    f"  {'server':>7} {'loop':>6} {'client':>6}  (CPU us/token)"
 )
 
 
 def print_level(r: dict) -> None:
+    cpu = [r.get(f"{k}_cpu_us_per_token", float("nan")) for k in ("server", "loop", "client")]
     print(
         f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>4} "
         f"{r['output_tok_s']:>10.1f} {r['requests_s']:>7.2f} {r['ttft_p50_ms']:>9.1f} "
-        f"{r['ttft_p99_ms']:>9.1f} {r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>9.2f}",
+        f"{r['ttft_p99_ms']:>9.1f} {r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>9.2f}      "
+        f"{cpu[0]:>7.1f} {cpu[1]:>6.1f} {cpu[2]:>6.1f}",
         flush=True,
     )
 
@@ -282,10 +408,67 @@ def print_turns(label: str, turns: list[dict]) -> None:
     )
 
 
+def engine_only(args: argparse.Namespace) -> dict:
+    """The same load straight on an Engine in this process (no HTTP, no event loop, no second
+    thread): the ceiling that the server's numbers are to be compared with."""
+    from noesis.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=True,
+        progress=False,
+    )
+    engine = Engine(args.model, config)
+    run_engine_level(engine, args, 1, random.Random(-1))  # warm-up
+    results: dict = {"levels": []}
+    print("engine only (the same requests added straight to an Engine):")
+    print(HEADER)
+    for concurrency in args.concurrency:
+        level = run_engine_level(engine, args, concurrency, random.Random(concurrency))
+        results["levels"].append(level)
+        print_level(level)
+    return results
+
+
+def run_engine_level(engine, args: argparse.Namespace, concurrency: int, rng) -> dict:
+    from noesis.sampling.params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, logprobs=0
+    )
+    total = args.requests * concurrency
+    live: dict[str, tuple[float, list[float]]] = {}  # request id -> (start, token times)
+    samples: list[Sample] = []
+    sent = 0
+    start = time.perf_counter()
+    deadline = start + args.max_seconds
+    while live or sent < total:
+        while len(live) < concurrency and sent < total and time.perf_counter() < deadline:
+            prompt = [rng.randrange(10, 300) for _ in range(args.prompt_len)]
+            live[engine.add_request(prompt, params, delta=True)] = (time.perf_counter(), [])
+            sent += 1
+        for out in engine.step():
+            now = time.perf_counter()
+            begin, times = live[out.request_id]
+            times.extend([now] * len(out.token_ids))
+            if out.finished:
+                del live[out.request_id]
+                samples.append(_engine_sample(begin, times))
+    wall = time.perf_counter() - start
+    return summarize(concurrency, samples, wall) | {"client_cpu_us_per_token": float("nan")}
+
+
+def _engine_sample(start: float, times: list[float]) -> Sample:
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    return Sample(ttft=times[0] - start, tpot=tpot, tokens=len(times))
+
+
 async def measure(args: argparse.Namespace, url: str) -> dict:
     warm = completion_body(args, random.Random(-1)) | {"max_tokens": 2}
-    async with httpx.AsyncClient(timeout=args.request_timeout) as client:
-        await stream_request(client, url + "/v1/completions", warm)
+    conn = Connection(url)
+    await stream_request(conn, "/v1/completions", warm)
+    conn.close()
     results: dict = {"levels": []}
     print(HEADER)
     for concurrency in args.concurrency:
@@ -300,6 +483,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint to serve (not needed with --url)")
     parser.add_argument("--url", help="benchmark a server that is already running")
+    parser.add_argument("--server-pid", type=int, help="with --url: read its CPU time (Linux)")
+    parser.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="run the same load on an Engine in this process instead (the server's ceiling)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument(
         "--concurrency", default="1,8,32,64,128", type=lambda s: [int(c) for c in s.split(",")]
@@ -324,12 +513,20 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if not args.url and not args.model:
         parser.error("pass --model (to start a server) or --url")
+    if args.engine_only and not args.model:
+        parser.error("--engine-only needs --model")
     return args
 
 
 def main() -> None:
     args = parse_args()
+    if args.engine_only:
+        results = engine_only(args)
+        write_results(args, results)
+        return
     process, url = (None, args.url) if args.url else start_server(args)
+    if process is not None:
+        args.server_pid = process.pid
     try:
         results = asyncio.run(measure(args, url))
     finally:
@@ -344,6 +541,10 @@ def main() -> None:
         finally:
             stop_server(process)
         print_turns("prefix caching off", results["chat_turns_no_prefix_cache"])
+    write_results(args, results)
+
+
+def write_results(args: argparse.Namespace, results: dict) -> None:
     import torch
 
     results["setup"] = {k: str(v) for k, v in vars(args).items()} | {

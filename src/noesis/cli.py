@@ -1,4 +1,4 @@
-"""The `noesis` command: generate, chat, info, serve."""
+"""The `noesis` command: generate, chat, info, serve, eval."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
+BUNDLED_MODELS = (BUNDLED_MODEL, BUNDLED_MODEL.with_name("noesis-tiny-draft"))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not hasattr(args, "handler"):
         parser.print_help()
         return 2
@@ -44,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     chat.add_argument("message", nargs="?", help="one-shot: send this message, print the reply")
     chat.add_argument("--system", help="a system message placed before the conversation")
+    chat.add_argument(
+        "--tools",
+        help="Harmony models: 'builtin' (noesis-tiny's calculator, convert_units, day_of_week, "
+        "lookup_country; run for real), 'none', or comma-separated built-in tool names "
+        "(default: builtin for the bundled models, else none)",
+    )
     _add_sampling_args(chat)
     chat.set_defaults(handler=_chat)
 
@@ -55,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     _add_serve_args(serve)
     serve.set_defaults(handler=_serve)
+
+    evaluate = sub.add_parser("eval", help="evaluate a model (eval tools: tool use)")
+    evals = evaluate.add_subparsers(title="evaluations", metavar="EVAL")
+    evaluate.set_defaults(handler=lambda _: evaluate.print_help() or 2)
+    tools = evals.add_parser("tools", help="tool use on held-out noesis-tiny conversations")
+    _add_model_args(tools)
+    _add_eval_tools_args(tools)
+    tools.set_defaults(handler=_eval_tools)
     return parser
 
 
@@ -121,6 +137,17 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--split", choices=("heldout", "train"), default="heldout")
+    parser.add_argument("--n", type=int, default=200, help="conversations (default 200)")
+    parser.add_argument("--corpus-seed", type=int, default=1234, help="corpus seed (default 1234)")
+    parser.add_argument("--draft", help="a draft model: also measure draft/target agreement")
+    parser.add_argument("--temperature", "-t", type=float, help="also a sampled run at this T")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled run (default 0)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="per generation (default 128)")
+    parser.add_argument("--json", help="also write the report (with per-example scores) here")
+
+
 def _model_arg(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
@@ -170,9 +197,10 @@ def _stream_to_terminal(deltas) -> str:
 def _chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
     llm = _load(args)
+    reply = _chat_reply(args, llm, params)
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
-        _reply(llm, history, args.message, params)
+        reply(history, args.message)
         return 0
     print("Chatting with", _model_arg(args), "- /reset clears the history, /exit or Ctrl-D quits.")
     while True:
@@ -187,7 +215,28 @@ def _chat(args: argparse.Namespace) -> int:
             del history[1 if args.system else 0 :]
             continue
         if message.strip():
-            _reply(llm, history, message, params)
+            reply(history, message)
+
+
+def _chat_reply(args: argparse.Namespace, llm, params):
+    """The function that answers one user message: Harmony display (and built-in tools) for a
+    Harmony model, plain streamed text otherwise."""
+    from noesis.errors import InvalidRequest
+    from noesis.tiny import chat
+
+    if not chat.is_harmony(llm.tokenizer):
+        if args.tools not in (None, "none"):
+            raise InvalidRequest("--tools needs a Harmony model (one with <|start|>, <|channel|>)")
+        return lambda history, message: _reply(llm, history, message, params)
+    bundled = Path(_model_arg(args)).resolve() in BUNDLED_MODELS
+    declared = chat.tool_declarations(args.tools or ("builtin" if bundled else "none"))
+    display = chat.Display()
+
+    def reply(history: list[dict], message: str) -> None:
+        history.append({"role": "user", "content": message})
+        chat.run_turn(llm, history, declared, params, display)
+
+    return reply
 
 
 def _reply(llm, history: list[dict], message: str, params) -> None:
@@ -195,6 +244,46 @@ def _reply(llm, history: list[dict], message: str, params) -> None:
     prompt = llm.render_chat(history)
     reply = _stream_to_terminal(llm.stream(prompt, params))
     history.append({"role": "assistant", "content": reply})
+
+
+def _eval_tools(args: argparse.Namespace) -> int:
+    import json
+    import shlex
+
+    from noesis.llm import LLM
+    from noesis.sampling.params import SamplingParams
+    from noesis.tiny.harness import EvalConfig, evaluate_tools, format_report
+
+    sampled = None if args.temperature is None else SamplingParams(temperature=args.temperature)
+    config = EvalConfig(
+        split=args.split, n=args.n, corpus_seed=args.corpus_seed, max_tokens=args.max_tokens,
+        sampled=sampled, seed=args.seed,
+    )
+    # Passes 2 and 3 repeat pass 1's prompt: prefix caching skips most of their prefill.
+    options = {"progress": False, "enable_prefix_caching": True}
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    llm = LLM(_model_arg(args), device=args.device, dtype=args.dtype, **options)
+    draft = LLM(args.draft, device=args.device, dtype=args.dtype, **options) if args.draft else None
+    report = evaluate_tools(llm, config, draft)
+    meta = {
+        "command": "noesis " + shlex.join(args.argv),
+        "model": _model_arg(args),
+        "draft": args.draft,
+        "device": str(llm.engine.device),
+        "dtype": str(llm.engine.loaded.dtype).removeprefix("torch."),
+    }
+    print(format_report(report, _eval_header(meta, report)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**meta, **report}, indent=2) + "\n")
+    return 0
+
+
+def _eval_header(meta: dict, report: dict) -> str:
+    return (
+        f"noesis eval tools: {meta['model']} on {report['split']} (n={report['examples']}, "
+        f"corpus seed {report['corpus_seed']}), {meta['device']} {meta['dtype']}"
+    )
 
 
 def _info(args: argparse.Namespace) -> int:

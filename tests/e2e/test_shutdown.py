@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -27,8 +28,10 @@ def _stream(server, max_tokens: int, result: dict, started: threading.Event) -> 
         ) as response:
             for line in response.iter_lines():
                 started.set()
-                if '"finish_reason": "length"' in line:
-                    result["finished"] = True
+                if line.startswith("data: {"):
+                    choices = json.loads(line[6:]).get("choices", [])
+                    if any(c["finish_reason"] == "length" for c in choices):
+                        result["finished"] = True
                 if line == "data: [DONE]":
                     result["done"] = True
     except httpx.HTTPError as exc:

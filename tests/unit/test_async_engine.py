@@ -8,7 +8,14 @@ import time
 import pytest
 
 from noesis import SamplingParams
-from noesis.engine.async_engine import AsyncEngine, EngineStepError, QueueFull
+from noesis.engine.async_engine import (
+    AsyncEngine,
+    EngineStats,
+    EngineStepError,
+    EngineThread,
+    Outbox,
+    QueueFull,
+)
 from noesis.engine.outputs import RequestOutput
 from noesis.errors import InvalidRequest
 
@@ -16,14 +23,16 @@ BAD_PROMPT = [666]
 
 
 class FakeEngine:
-    """Emits token i at step i for each request until max_tokens; can fail one step on demand."""
+    """Emits token i at step i for each request until max_tokens, as delta outputs (what
+    AsyncEngine asks for); can fail one step on demand."""
 
     def __init__(self) -> None:
         self.requests: dict[str, tuple[list[int], int, list[int]]] = {}
         self.aborted: list[str] = []
         self.fail_next_step = False
 
-    def add_request(self, token_ids, params: SamplingParams, request_id: str) -> str:
+    def add_request(self, token_ids, params: SamplingParams, request_id: str, delta: bool) -> str:
+        assert delta
         if token_ids == BAD_PROMPT:
             raise InvalidRequest("bad prompt")
         self.requests[request_id] = (list(token_ids), params.max_tokens, [])
@@ -41,7 +50,8 @@ class FakeEngine:
         for request_id, (prompt, max_tokens, tokens) in list(self.requests.items()):
             tokens.append(len(tokens))
             done = len(tokens) == max_tokens
-            outputs.append(self._output(request_id, prompt, tokens, "length" if done else None))
+            reason = "length" if done else None
+            outputs.append(self._output(request_id, prompt, tokens[-1:], reason))
             if done:
                 del self.requests[request_id]
         return outputs
@@ -49,16 +59,16 @@ class FakeEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         if request_id not in self.requests:
             return None
-        prompt, _, tokens = self.requests.pop(request_id)
+        prompt, _, _ = self.requests.pop(request_id)
         self.aborted.append(request_id)
-        return self._output(request_id, prompt, tokens, "abort")
+        return self._output(request_id, prompt, [], "abort")
 
     def abort_all(self) -> list[RequestOutput]:
         return [out for out in map(self.abort, list(self.requests)) if out is not None]
 
     @staticmethod
     def _output(request_id, prompt, tokens, reason) -> RequestOutput:
-        text = "".join(map(str, tokens))
+        text = "".join(map(str, tokens))  # only the new tokens: a delta
         return RequestOutput(
             request_id, None, prompt, text, list(tokens), reason, None, reason is not None
         )
@@ -69,7 +79,7 @@ def run(test, max_in_flight: int = 8):
 
     async def main():
         fake = FakeEngine()
-        engine = AsyncEngine(fake, max_in_flight)
+        engine = AsyncEngine(EngineThread(fake, stats=lambda _: EngineStats()), max_in_flight)
         engine.start()
         try:
             return await asyncio.wait_for(test(engine, fake), 10)
@@ -86,11 +96,41 @@ def params(max_tokens: int) -> list[SamplingParams]:
 def test_outputs_stream_until_finished():
     async def test(engine, fake):
         (stream,) = engine.add([1, 2], params(5))
-        seen = [out.token_ids for out in [o async for o in stream]]
-        assert seen[-1] == [0, 1, 2, 3, 4]
-        assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:], strict=False))
+        deltas = [out async for out in stream]
+        assert [t for out in deltas for t in out.token_ids] == [0, 1, 2, 3, 4]
+        assert "".join(out.text for out in deltas) == "01234"
+        assert deltas[-1].finished and not any(out.finished for out in deltas[:-1])
         assert engine.num_in_flight == 0
         assert stream.times.first_token is not None and stream.times.finished is not None
+
+    run(test)
+
+
+def test_a_consumer_that_falls_behind_gets_the_pending_deltas_merged():
+    async def test(engine, fake):
+        (stream,) = engine.add([1], params(6))
+        await stream.started()
+        await asyncio.sleep(0.05)  # several steps pass unread
+        deltas = [out async for out in stream]
+        assert len(deltas) < 6
+        assert [t for out in deltas for t in out.token_ids] == [0, 1, 2, 3, 4, 5]
+        assert "".join(out.text for out in deltas) == "012345"
+
+    run(test)
+
+
+def test_requests_sharing_an_outbox_arrive_together_by_index():
+    async def test(engine, fake):
+        outbox = Outbox()
+        streams = engine.add([1], params(3) * 2, outbox, first_index=5)
+        assert [s.index for s in streams] == [5, 6]
+        tokens: dict[int, list[int]] = {5: [], 6: []}
+        finished = 0
+        while finished < 2:
+            for index, out in await outbox.take():
+                tokens[index] += out.token_ids
+                finished += out.finished
+        assert tokens == {5: [0, 1, 2], 6: [0, 1, 2]} and engine.num_in_flight == 0
 
     run(test)
 

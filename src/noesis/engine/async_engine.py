@@ -1,28 +1,43 @@
-"""AsyncEngine: runs Engine.step() on one background thread and streams outputs to asyncio tasks.
+"""AsyncEngine: Engine steps run off the event loop, and their outputs reach asyncio tasks.
 
-The thread owns the Engine: adds and aborts reach it as commands it drains between steps, so the
-engine needs no locks. Each request gets an asyncio queue; after every step the thread hands all
-outputs to the event loop in one call. Requests join and leave the running batch at any step
-(continuous batching); a step failure fails the requests in flight, never the thread.
+An EngineLoop owns the Engine: it applies commands (add, abort, stop) between steps, so the
+engine needs no locks, steps, and sends each round back as one Report. It runs in a child
+process (EngineProcess, what `noesis serve` uses, so that a step never waits for the GIL behind
+HTTP work, nor the reverse) or on a thread (EngineThread). Requests ask for delta outputs (only
+what a step added), so no step copies a request's history; the event loop files each output in
+its consumer's Outbox, and a consumer that fell behind takes all that is pending in one wake-up,
+merged per request. Requests join and leave the running batch at any step (continuous
+batching); a failed step fails the requests in flight, never the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import itertools
 import logging
+import multiprocessing
+import pickle
 import queue
+import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from noesis.engine.engine import Engine
-from noesis.engine.outputs import RequestOutput
+from noesis.engine.engine import Engine, EngineConfig
+from noesis.engine.outputs import RequestOutput, merge_deltas
 from noesis.errors import NoesisError
 from noesis.sampling.params import SamplingParams
+from noesis.tokenizer import Tokenizer
 
 log = logging.getLogger("noesis.engine")
+
+Item = RequestOutput | BaseException  # what an Outbox holds for a request: a delta, or its end
+# ("add", request_id, token_ids, params) | ("abort", request_id) | ("stop",)
+Command = tuple[Any, ...]
 
 
 class QueueFull(NoesisError):
@@ -51,27 +66,75 @@ class RequestTimes:
     finished: float | None = None
 
 
-@dataclass(slots=True)
+class Outbox:
+    """Outputs bound for one consumer task: one request's, or those of all choices of an API call.
+
+    A list and at most one waiting future, cheaper than an asyncio.Queue; a consumer that fell
+    behind takes everything pending in one wake-up, merged per request.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[tuple[int, Item]] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, index: int, item: Item) -> None:
+        self._items.append((index, item))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[tuple[int, Item]]:
+        """Wait for news; each request (by index) appears once, in the order it first advanced."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items if len(items) == 1 else _merge_by_index(items)
+
+
+def _merge_by_index(items: list[tuple[int, Item]]) -> list[tuple[int, Item]]:
+    grouped: dict[int, list[Item]] = {}
+    for index, item in items:
+        grouped.setdefault(index, []).append(item)
+    merged = []
+    for index, group in grouped.items():
+        error = next((item for item in group if isinstance(item, BaseException)), None)
+        merged.append((index, error if error is not None else merge_deltas(group)))  # type: ignore[arg-type]
+    return merged
+
+
+@dataclass(slots=True, eq=False)
 class _Request:
-    """Event-loop side of one request: its queue of outputs and its timings."""
+    """Event-loop side of one request: where its outputs go, and its timings."""
 
     request_id: str
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    added: asyncio.Future | None = None
+    prompt_token_ids: list[int]
+    outbox: Outbox
+    index: int  # its consumer's number for it (a choice index)
+    added: asyncio.Future
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.perf_counter()))
-    done: bool = False
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; closing it early aborts the request."""
+    """One request: its id, timings, admission, and (when it has its own Outbox) its outputs."""
 
-    def __init__(self, engine: AsyncEngine, request: _Request) -> None:
+    def __init__(self, engine: AsyncEngine, request: _Request, own_outbox: bool) -> None:
         self._engine = engine
         self._request = request
+        self._own_outbox = own_outbox
 
     @property
     def request_id(self) -> str:
         return self._request.request_id
+
+    @property
+    def index(self) -> int:
+        return self._request.index
 
     @property
     def times(self) -> RequestTimes:
@@ -81,96 +144,427 @@ class RequestStream:
         """Wait until the engine accepted the request (raises the engine's validation error)."""
         await self._request.added
 
+    def close(self) -> None:
+        """Abort the request unless it already ended."""
+        self._engine._close(self._request)
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Delta outputs until the finished one; several pending ones come merged as one."""
+        assert self._own_outbox, "this request shares its Outbox: read that instead"
         request = self._request
         try:
             await request.added
-            while not request.done:
-                yield self._latest(await request.outputs.get())
+            while True:
+                for _, item in await request.outbox.take():
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item.finished:
+                        return
         finally:
-            self._engine._close(request)
-
-    def _latest(self, item) -> RequestOutput:
-        """Outputs are cumulative: when several are queued, only the newest one matters."""
-        request = self._request
-        while isinstance(item, RequestOutput) and not item.finished:
-            try:
-                item = request.outputs.get_nowait()
-            except asyncio.QueueEmpty:
-                break
-        if isinstance(item, BaseException):
-            request.done = True
-            raise item
-        now = time.perf_counter()
-        if request.times.first_token is None and item.token_ids:
-            request.times.first_token = now
-        if item.finished:
-            request.times.finished = now
-            request.done = True
-        return item
+            self.close()
 
     async def result(self) -> RequestOutput:
-        """Wait for the final output."""
-        last = None
-        async for out in self:
-            last = out
-        assert last is not None and last.finished
-        return last
+        """Wait for the end; returns the whole output (all deltas merged)."""
+        deltas = [out async for out in self]
+        assert deltas and deltas[-1].finished
+        return merge_deltas(deltas)
+
+
+# ---- the engine's side ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know about the engine it drives."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    max_num_seqs: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Engine state for /metrics, as of the end of the engine loop's latest round."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0
+    kv_pages_free: int = 0
+    kv_pages_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineStats:
+        scheduler, allocator, cache = engine.scheduler, engine.allocator, engine.prefix_cache
+        return cls(
+            waiting=len(scheduler.waiting),
+            running=len(scheduler.running),
+            kv_pages_total=allocator.num_pages,
+            kv_pages_used=allocator.num_used,
+            kv_pages_free=allocator.num_free,
+            kv_pages_cached=allocator.num_parked,
+            prefix_query_tokens=cache.query_tokens if cache else 0,
+            prefix_hit_tokens=cache.hit_tokens if cache else 0,
+        )
+
+
+@dataclass(slots=True)
+class Report:
+    """One round of the engine loop: the adds it took or refused, the step's outputs, the
+    requests a failed step took down (and why), and the engine state after it all."""
+
+    accepted: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, BaseException]] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    error: BaseException | None = None  # why `failed` failed
+    stats: EngineStats | None = None
+
+
+class EngineLoop:
+    """The engine's side: apply the commands that came (waiting for one only while idle), step,
+    report the round."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        receive: Callable[[bool], list[Command]],
+        report: Callable[[Report], None],
+        stats: Callable[[Engine], EngineStats] = EngineStats.of,
+    ) -> None:
+        self.engine = engine
+        self.receive = receive  # receive(block) -> commands; blocks for one when block is True
+        self.report = report
+        self.stats = stats
+
+    def run(self) -> None:
+        while True:
+            report = Report()
+            if not self._apply(self.receive(not self.engine.has_unfinished()), report):
+                break
+            if self.engine.has_unfinished():
+                self._step(report)
+            report.stats = self.stats(self.engine)
+            self.report(report)
+        self.engine.abort_all()
+
+    def _apply(self, commands: list[Command], report: Report) -> bool:
+        """Adds and aborts, in order; False at a stop."""
+        for command in commands:
+            if command[0] == "add":
+                _, request_id, token_ids, params = command
+                try:
+                    self.engine.add_request(token_ids, params, request_id, delta=True)
+                except Exception as exc:
+                    report.rejected.append((request_id, exc))
+                else:
+                    report.accepted.append(request_id)
+            elif command[0] == "abort":
+                self.engine.abort(command[1])
+            else:
+                return False
+        return True
+
+    def _step(self, report: Report) -> None:
+        try:
+            report.outputs = self.engine.step()
+        except Exception as exc:  # keep serving: fail only the requests in flight
+            log.exception("engine step failed")
+            report.failed = [out.request_id for out in self.engine.abort_all()]
+            report.error = EngineStepError(f"the engine step failed: {exc!r}")
+
+
+OnReport = Callable[[Report], None]
+OnLost = Callable[[BaseException], None]
+
+
+class EngineThread:
+    """The EngineLoop on a thread of this process: it shares the GIL with the event loop."""
+
+    def __init__(self, engine: Engine, stats: Callable[[Engine], EngineStats] = EngineStats.of):
+        self.engine = engine
+        self._stats = stats
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        engine = self.engine
+        return EngineInfo(engine.tokenizer, engine.max_model_len, engine.config.max_num_seqs)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, on_report: OnReport, on_lost: OnLost) -> None:
+        loop = asyncio.get_running_loop()
+
+        def report(r: Report) -> None:
+            loop.call_soon_threadsafe(on_report, r)
+
+        def run() -> None:
+            try:
+                EngineLoop(self.engine, self._receive, report, self._stats).run()
+            except BaseException as exc:
+                log.exception("the engine loop died")
+                loop.call_soon_threadsafe(on_lost, EngineDead(f"the engine loop died: {exc!r}"))
+
+        self._thread = threading.Thread(target=run, name="noesis-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, command: Command) -> None:
+        self._commands.put(command)
+
+    async def stop(self) -> None:
+        self.send(("stop",))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    def close(self) -> None:
+        pass
+
+    def _receive(self, block: bool) -> list[Command]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+
+class EngineProcess:
+    """The Engine and its EngineLoop in a child process, so that HTTP work and engine steps never
+    queue for one GIL. Commands go down a pipe from a sender thread (the event loop never blocks
+    on a full pipe); reports come up another, read by the event loop as they arrive."""
+
+    def __init__(self, process, commands, reports, info: EngineInfo) -> None:
+        self._process = process
+        self._commands = commands  # Connection, parent -> child
+        self._reports = reports  # Connection, child -> parent
+        self.info = info
+        self._outgoing: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def spawn(cls, model: str, config: EngineConfig, log_level: str = "info") -> EngineProcess:
+        """Start the child and wait while it loads the model; raises what loading raised."""
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        child_commands, commands = context.Pipe(duplex=False)
+        reports, child_reports = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_engine_process_main,
+            args=(model, config, log_level, child_commands, child_reports),
+            name="noesis-engine",
+            daemon=True,
+        )
+        process.start()
+        child_commands.close()
+        child_reports.close()
+        try:
+            kind, payload = reports.recv()
+        except EOFError:
+            process.join()
+            exitcode = process.exitcode
+            raise EngineDead(f"the engine process exited ({exitcode}) while loading") from None
+        if kind == "error":
+            process.join()
+            raise _unpack_error(payload)
+        backend = cls(process, commands, reports, payload)
+        atexit.register(backend.close)  # before multiprocessing's own exit hook joins the child
+        return backend
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def start(self, on_report: OnReport, on_lost: OnLost) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        loop.add_reader(self._reports.fileno(), self._read, on_report, on_lost)
+        self._sender = threading.Thread(target=self._send_all, name="noesis-commands", daemon=True)
+        self._sender.start()
+
+    def send(self, command: Command) -> None:
+        self._outgoing.put(command)
+
+    async def stop(self) -> None:
+        self.send(("stop",))
+        self._outgoing.put(None)
+        await asyncio.to_thread(self._process.join, 30)
+        self.close()
+
+    def close(self) -> None:
+        """Make sure the child is gone (idempotent). After stop() it has exited; otherwise there
+        is nothing to drain, and it ignores SIGTERM (its parent drains first), so: SIGKILL."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._reports.fileno())
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self._outgoing.put(None)
+
+    def _send_all(self) -> None:
+        while (command := self._outgoing.get()) is not None:
+            try:
+                self._commands.send(command)
+            except (OSError, ValueError):  # the child is gone; its reader reports that
+                return
+
+    def _read(self, on_report: OnReport, on_lost: OnLost) -> None:
+        try:
+            while self._reports.poll():
+                report = self._reports.recv()
+                report.rejected = [(i, _unpack_error(e)) for i, e in report.rejected]
+                if report.error is not None:
+                    report.error = _unpack_error(report.error)
+                on_report(report)
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._reports.fileno())
+            on_lost(EngineDead(f"the engine process exited ({self._process.exitcode})"))
+
+
+def _engine_process_main(model: str, config: EngineConfig, log_level: str, commands, reports):
+    """The child: load the Engine, say ready (or why not), then run the EngineLoop on the pipes.
+    Once loaded, the parent alone decides when it ends (it drains first): SIGINT and SIGTERM
+    are ignored, and a closed pipe means stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent's
+    _log_to_stderr(log_level)
+    try:
+        engine = Engine(model, config)
+        info = EngineInfo(engine.tokenizer, engine.max_model_len, config.max_num_seqs)
+    except BaseException as exc:
+        reports.send(("error", _pack_error(exc)))
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        reports.send(("ready", info))
+    except OSError:  # the parent gave up waiting
+        return
+    gc.collect()
+    gc.freeze()  # the model and libraries stay: collections scan only what steps allocate
+
+    def receive(block: bool) -> list[Command]:
+        received = []
+        try:
+            if block or commands.poll():
+                received.append(commands.recv())
+            while commands.poll():
+                received.append(commands.recv())
+        except EOFError:  # the parent is gone
+            received.append(("stop",))
+        return received
+
+    def report(r: Report) -> None:
+        for out in r.outputs:
+            out.prompt_token_ids = []  # the parent has them; never resend a prompt per step
+        r.rejected = [(i, _pack_error(e)) for i, e in r.rejected]  # type: ignore[misc]
+        if r.error is not None:
+            r.error = _pack_error(r.error)  # type: ignore[assignment]
+        reports.send(r)
+
+    EngineLoop(engine, receive, report).run()
+
+
+def _log_to_stderr(level: str) -> None:
+    logger = logging.getLogger("noesis")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
+def _pack_error(exc: BaseException) -> tuple:
+    """An exception as (class, args, attributes): our errors' __init__ signatures differ from
+    their args, so plain pickling cannot rebuild them."""
+    packed = (type(exc), exc.args, dict(vars(exc)))
+    try:
+        pickle.dumps(packed)
+    except Exception:
+        return (NoesisError, (f"{type(exc).__name__}: {exc}",), {})
+    return packed
+
+
+def _unpack_error(packed: tuple) -> BaseException:
+    cls, args, attributes = packed
+    exc = cls.__new__(cls)
+    BaseException.__init__(exc, *args)
+    exc.__dict__.update(attributes)
+    return exc
+
+
+# ---- the event loop's side -----------------------------------------------------------------------
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_in_flight: int) -> None:
-        self.engine = engine
+    """The event loop's handle on the engine: admission, request outboxes, and reports."""
+
+    def __init__(self, backend: EngineThread | EngineProcess, max_in_flight: int) -> None:
+        self.backend = backend
         self.max_in_flight = max_in_flight
         self._requests: dict[str, _Request] = {}
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._lost = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
+        self._stats = EngineStats()
         self.num_step_failures = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the outputs."""
+        """Start the engine loop; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="noesis-engine", daemon=True)
-        self._thread.start()
+        self.backend.start(self._on_report, self._on_lost)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self.backend.alive and not self._stopping and not self._lost
 
     @property
     def num_in_flight(self) -> int:
         return len(self._requests)
 
+    def stats(self) -> EngineStats:
+        return self._stats
+
     async def shutdown(self) -> None:
-        """Abort whatever is still in flight and stop the thread."""
+        """Abort whatever is still in flight and stop the engine loop."""
         self._stopping = True
         self.fail_all(EngineDead("the server is shutting down"))
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+        await self.backend.stop()
 
-    # ---- requests (event loop side) ----------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------------
 
-    def add(self, token_ids: list[int], params: list[SamplingParams]) -> list[RequestStream]:
-        """Queue one request per params (all or none); each stream yields its outputs."""
-        if self._stopping:
-            raise EngineDead("the server is shutting down")
+    def add(
+        self,
+        token_ids: list[int],
+        params: list[SamplingParams],
+        outbox: Outbox | None = None,
+        first_index: int = 0,
+    ) -> list[RequestStream]:
+        """Queue one request per params (all or none). Without `outbox` each request gets its
+        own and its stream yields its outputs; with one, they all go there, numbered from
+        `first_index` in params order, and the caller reads the outbox."""
+        if self._stopping or self._lost:
+            raise EngineDead("the engine is not running")
         if len(self._requests) + len(params) > self.max_in_flight:
             raise QueueFull(len(self._requests), self.max_in_flight)
         streams = []
-        for one in params:
-            request = _Request(f"req-{next(self._ids)}")
-            request.added = self._loop.create_future()
+        for index, one in enumerate(params, first_index):
+            request = _Request(
+                f"req-{next(self._ids)}",
+                token_ids,
+                outbox if outbox is not None else Outbox(),
+                index,
+                self._loop.create_future(),
+            )
             self._requests[request.request_id] = request
-            self._commands.put(("add", request, token_ids, one))
-            streams.append(RequestStream(self, request))
-        self._wake.set()
+            self.backend.send(("add", request.request_id, token_ids, one))
+            streams.append(RequestStream(self, request, own_outbox=outbox is None))
         return streams
 
     def abort(self, request_id: str) -> None:
@@ -191,84 +585,53 @@ class AsyncEngine:
         """
         if self._requests.pop(request.request_id, None) is None:
             return
-        request.done = True
-        self._commands.put(("abort", request.request_id))
-        self._wake.set()
+        self.backend.send(("abort", request.request_id))
 
     def _fail(self, request: _Request, error: BaseException) -> None:
-        if request.added is not None and not request.added.done():
+        if not request.added.done():
             request.added.set_exception(error)
             request.added.exception()  # mark retrieved: a stream never iterated is no error
-        request.outputs.put_nowait(error)
+        request.outbox.put(request.index, error)
 
-    # ---- the engine thread -------------------------------------------------------------------
+    # ---- reports from the engine loop --------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self._stopping:
-            self._drain_commands()
-            if not self.engine.has_unfinished():
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # keep serving: fail only the requests in flight
-                log.exception("engine step failed")
-                self._fail_running(exc)
-                continue
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
-        self._drain_commands()
-        self.engine.abort_all()
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                self._engine_add(*command[1:])
-            else:
-                self.engine.abort(command[1])
-
-    def _engine_add(self, request: _Request, token_ids: list[int], params: SamplingParams) -> None:
-        try:
-            self.engine.add_request(token_ids, params, request.request_id)
-        except Exception as exc:
-            self._loop.call_soon_threadsafe(self._reject, request, exc)
-            return
-        self._loop.call_soon_threadsafe(self._accept, request)
-
-    def _fail_running(self, exc: Exception) -> None:
-        self.num_step_failures += 1
-        error = EngineStepError(f"the engine step failed: {exc!r}")
-        ids = [out.request_id for out in self.engine.abort_all()]
-        self._loop.call_soon_threadsafe(self._fail_ids, ids, error)
-
-    # ---- event loop callbacks ----------------------------------------------------------------
-
-    def _accept(self, request: _Request) -> None:
-        if not request.added.done():
-            request.added.set_result(None)
-
-    def _reject(self, request: _Request, exc: Exception) -> None:
-        self._requests.pop(request.request_id, None)
-        request.done = True
-        if not request.added.done():
-            request.added.set_exception(exc)
-            request.added.exception()
+    def _on_report(self, report: Report) -> None:
+        for request_id in report.accepted:
+            request = self._requests.get(request_id)
+            if request is not None and not request.added.done():
+                request.added.set_result(None)
+        for request_id, exc in report.rejected:
+            request = self._requests.pop(request_id, None)
+            if request is not None and not request.added.done():
+                request.added.set_exception(exc)
+                request.added.exception()
+        if report.outputs:
+            self._dispatch(report.outputs)
+        if report.error is not None:
+            self.num_step_failures += 1
+            for request_id in report.failed:
+                request = self._requests.pop(request_id, None)
+                if request is not None:
+                    self._fail(request, report.error)
+        if report.stats is not None:
+            self._stats = report.stats
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """One engine step's outputs: file each with its consumer (O(1) per output)."""
+        now = time.perf_counter()
         for out in outputs:
             request = self._requests.get(out.request_id)
             if request is None:
                 continue  # closed by its consumer; the abort is on its way to the engine
+            out.prompt_token_ids = request.prompt_token_ids
+            times = request.times
+            if times.first_token is None and out.token_ids:
+                times.first_token = now
             if out.finished:
+                times.finished = now
                 del self._requests[out.request_id]
-            request.outputs.put_nowait(out)
+            request.outbox.put(request.index, out)
 
-    def _fail_ids(self, request_ids: list[str], error: Exception) -> None:
-        for request_id in request_ids:
-            request = self._requests.pop(request_id, None)
-            if request is not None:
-                self._fail(request, error)
+    def _on_lost(self, error: BaseException) -> None:
+        self._lost = True
+        self.fail_all(error)

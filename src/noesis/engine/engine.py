@@ -127,9 +127,12 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        delta: bool = False,
     ) -> str:
         """Queue a request. With stream=False, step() reports it only when it finishes and the
-        text is decoded once at the end (unless stop strings need it token by token)."""
+        text is decoded once at the end (unless stop strings need it token by token). With
+        delta=True each output carries only the text, token ids and logprobs added since the
+        request's previous output (what a server streams), not everything so far."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
@@ -137,7 +140,7 @@ class Engine:
         seq = self._make_sequence(token_ids, params, request_id)
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        state = RequestState(seq, text, detok, stream=stream)
+        state = RequestState(seq, text, detok, stream=stream, delta=delta)
         if params.logprobs is not None:
             state.logprobs = []
         self._requests[seq.request_id] = state

@@ -15,13 +15,18 @@ class RequestState:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     stream: bool = True  # report progress every step, not only at the end
+    delta: bool = False  # each output carries only what is new since the last one
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     hold_back: int = field(init=False)  # chars kept from streams: a stop string may be forming
+    prompt_token_ids: list[int] = field(init=False)  # copied once; outputs share it
+    sent_chars: int = 0  # delta mode: text and tokens already handed out
+    sent_tokens: int = 0
 
     def __post_init__(self) -> None:
         stops = self.seq.params.stop
         self.hold_back = max((len(s) for s in stops), default=1) - 1
+        self.prompt_token_ids = self.seq.token_ids[: self.seq.prompt_len]
 
     @property
     def incremental(self) -> bool:
@@ -42,22 +47,27 @@ class RequestState:
         self.text = self.text[:keep]
         return True
 
-    def visible_text(self) -> str:
-        """Text safe to show now: all of it once finished, else minus a possible stop prefix."""
+    def visible_len(self) -> int:
+        """Chars safe to show now: all once finished, else minus a possible stop prefix."""
         if self.seq.finished or self.hold_back == 0:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.hold_back)]
+            return len(self.text)
+        return max(0, len(self.text) - self.hold_back)
 
     def output(self) -> RequestOutput:
+        """Everything so far, or (delta mode) what is new since the last output: no output
+        copies the prompt, and a delta copies only its own tokens."""
         seq = self.seq
+        chars, tokens = self.visible_len(), seq.num_output
+        start_chars, start_tokens = (self.sent_chars, self.sent_tokens) if self.delta else (0, 0)
+        self.sent_chars, self.sent_tokens = max(self.sent_chars, chars), tokens
         return RequestOutput(
             request_id=seq.request_id,
             prompt=self.prompt,
-            prompt_token_ids=seq.token_ids[: seq.prompt_len],
-            text=self.visible_text(),
-            token_ids=seq.output_ids,
+            prompt_token_ids=self.prompt_token_ids,
+            text=self.text[start_chars:chars],
+            token_ids=seq.token_ids[seq.prompt_len + start_tokens :],
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            logprobs=self.logprobs,
+            logprobs=self.logprobs[start_tokens:] if self.logprobs is not None else None,
             finished=seq.finished,
             num_preemptions=seq.num_preemptions,
         )

@@ -23,6 +23,7 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20
     shutdown_timeout: float = 30.0  # seconds running requests get to finish on SIGTERM
     log_level: str = "info"
+    engine_process: bool = True  # the engine in a child process: no GIL shared with HTTP work
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_body_bytes"):

@@ -1,29 +1,34 @@
-"""Generation: one API call in flight: its engine requests (prompts x n choices), merged in order.
+"""Generation: one API call in flight: its engine requests (prompts x n choices), read together.
 
-It adds all choices at once (all or nothing), merges their outputs into one stream of
-(choice index, output), records each choice's metrics when it ends, and aborts whatever is
-unfinished when it is closed early (client gone, error, shutdown).
+All choices share one Outbox, so a call has one consumer task however many choices it has, and
+that task wakes at most once per engine step. A Generation adds all choices at once (all or
+nothing), hands out (choice index, delta) as choices advance, counts each choice's tokens (and
+keeps its deltas when a whole response is wanted), records each choice's metrics when it ends,
+and aborts whatever is unfinished when it is closed early (client gone, error, shutdown).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-from noesis.engine.async_engine import AsyncEngine, QueueFull, RequestStream
-from noesis.engine.outputs import RequestOutput
+from noesis.engine.async_engine import AsyncEngine, Outbox, QueueFull, RequestStream
+from noesis.engine.outputs import RequestOutput, merge_deltas
 from noesis.errors import InvalidRequest
 from noesis.sampling.params import SamplingParams
 from noesis.server.metrics import Metrics
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, metrics: Metrics) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, keep_outputs: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.outbox = Outbox()
         self.streams: list[RequestStream] = []
-        self.last: list[RequestOutput | None] = []
+        self.prompt_lens: list[int] = []  # per choice
+        self.num_tokens: list[int] = []  # per choice: generated so far
+        self._deltas: list[list[RequestOutput]] | None = [] if keep_outputs else None
         self._recorded: list[bool] = []
+        self._remaining = 0
 
     async def start(self, prompts: list[list[int]], params: list[list[SamplingParams]]) -> None:
         """Queue every choice of every prompt; raises (having aborted all) if any is refused."""
@@ -36,57 +41,59 @@ class Generation:
         if self.engine.num_in_flight + total > self.engine.max_in_flight:
             raise QueueFull(self.engine.num_in_flight, self.engine.max_in_flight)
         for token_ids, choice_params in zip(prompts, params, strict=True):
-            self.streams += self.engine.add(token_ids, choice_params)
-        self.last = [None] * len(self.streams)
-        self._recorded = [False] * len(self.streams)
+            first = len(self.streams)
+            self.streams += self.engine.add(token_ids, choice_params, self.outbox, first)
+            self.prompt_lens += [len(token_ids)] * len(choice_params)
+        self.num_tokens = [0] * total
+        self._recorded = [False] * total
+        self._remaining = total
+        if self._deltas is not None:
+            self._deltas = [[] for _ in range(total)]
         try:
             await asyncio.gather(*(s.started() for s in self.streams))
         except BaseException:
             for stream in self.streams:  # refused: nothing ran, so nothing to count
-                self.engine.abort(stream.request_id)
-            self._recorded = [True] * len(self.streams)
+                stream.close()
+            self._recorded = [True] * total
             raise
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, cumulative output) as choices advance, until all have finished."""
-        merged: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, s, merged)) for i, s in enumerate(self.streams)]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                index, item = await merged.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self.last[index] = item
-                if item.finished:
-                    remaining -= 1
-                    self._record(index, item.finish_reason or "abort")
-                yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            self.close()
+    @property
+    def finished(self) -> bool:
+        return self._remaining == 0
+
+    async def next(self) -> list[tuple[int, RequestOutput]]:
+        """The choices that advanced since the last call, each once with its new delta (several
+        steps' deltas merged when the caller fell behind). Raises a choice's error."""
+        batch = await self.outbox.take()
+        for index, item in batch:
+            if isinstance(item, BaseException):
+                raise item
+            self.num_tokens[index] += len(item.token_ids)
+            if self._deltas is not None:
+                self._deltas[index].append(item)
+            if item.finished:
+                self._remaining -= 1
+                self._record(index, item.finish_reason or "abort", produced=True)
+        return batch  # type: ignore[return-value]
 
     async def results(self) -> list[RequestOutput]:
-        async for _ in self.outputs():
-            pass
-        return self.last  # type: ignore[return-value]
+        """Wait for every choice to finish; their whole outputs, in choice order."""
+        assert self._deltas is not None, "results() needs Generation(keep_outputs=True)"
+        try:
+            while not self.finished:
+                await self.next()
+        finally:
+            self.close()
+        return [merge_deltas(deltas) for deltas in self._deltas]
 
     def close(self) -> None:
         """Abort the choices that have not finished (and count them as aborted)."""
         for index, stream in enumerate(self.streams):
             if not self._recorded[index]:
-                self.engine.abort(stream.request_id)
-                self._record(index, "abort")
+                stream.close()
+                self._record(index, "abort", produced=self.num_tokens[index] > 0)
 
-    def _record(self, index: int, reason: str) -> None:
+    def _record(self, index: int, reason: str, produced: bool) -> None:
         self._recorded[index] = True
-        self.metrics.record(self.last[index], self.streams[index].times, reason)
-
-    @staticmethod
-    async def _pump(index: int, stream: RequestStream, merged: asyncio.Queue) -> None:
-        try:
-            async for out in stream:
-                merged.put_nowait((index, out))
-        except Exception as exc:
-            merged.put_nowait((index, exc))
+        prompt_len = self.prompt_lens[index] if produced else None
+        self.metrics.record(reason, self.streams[index].times, prompt_len, self.num_tokens[index])

@@ -6,7 +6,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from noesis.engine.async_engine import AsyncEngine, RequestTimes
-from noesis.engine.outputs import RequestOutput
 
 LATENCY_BUCKETS = (
     0.001,
@@ -76,28 +75,29 @@ class Metrics:
         )
         r.register(_EngineCollector(engine))
 
-    def record(self, out: RequestOutput | None, times: RequestTimes, reason: str) -> None:
-        """One generation ended: `out` is its last output (None when it never produced one)."""
+    def record(
+        self, reason: str, times: RequestTimes, prompt_tokens: int | None, output_tokens: int
+    ) -> None:
+        """One generation ended; prompt_tokens is None when it never produced an output."""
         self.requests.labels(reason).inc()
-        if out is None:
+        if prompt_tokens is None:
             return
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
         if times.first_token is None:
             return
         self.ttft.observe(times.first_token - times.arrival)
         if times.finished is not None:
             self.e2e.observe(times.finished - times.arrival)
-            if len(out.token_ids) > 1:
-                gaps = len(out.token_ids) - 1
-                self.tpot.observe((times.finished - times.first_token) / gaps)
+            if output_tokens > 1:
+                self.tpot.observe((times.finished - times.first_token) / (output_tokens - 1))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _EngineCollector:
-    """Engine state read at scrape time (lengths and counters written by the engine thread)."""
+    """Engine state read at scrape time (as of the engine loop's latest round)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -106,35 +106,33 @@ class _EngineCollector:
         return []
 
     def collect(self):
-        engine = self.engine.engine
-        scheduler, allocator = engine.scheduler, engine.allocator
+        stats = self.engine.stats()
         gauges = {
-            "noesis_queue_depth": ("Sequences waiting for admission", len(scheduler.waiting)),
-            "noesis_running_sequences": ("Sequences in the running batch", len(scheduler.running)),
+            "noesis_queue_depth": ("Sequences waiting for admission", stats.waiting),
+            "noesis_running_sequences": ("Sequences in the running batch", stats.running),
             "noesis_requests_in_flight": (
                 "Generations accepted and not finished",
                 self.engine.num_in_flight,
             ),
-            "noesis_kv_pages_total": ("KV pages in the pool", allocator.num_pages),
-            "noesis_kv_pages_used": ("KV pages referenced by sequences", allocator.num_used),
-            "noesis_kv_pages_free": ("KV pages free (cached ones included)", allocator.num_free),
+            "noesis_kv_pages_total": ("KV pages in the pool", stats.kv_pages_total),
+            "noesis_kv_pages_used": ("KV pages referenced by sequences", stats.kv_pages_used),
+            "noesis_kv_pages_free": ("KV pages free (cached ones included)", stats.kv_pages_free),
             "noesis_kv_pages_cached": (
                 "Unreferenced KV pages kept for the prefix cache",
-                allocator.num_parked,
+                stats.kv_pages_cached,
             ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
-        cache = engine.prefix_cache
-        queries = cache.query_tokens if cache else 0
-        hits = cache.hit_tokens if cache else 0
         yield CounterMetricFamily(
             "noesis_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
-            value=queries,
+            value=stats.prefix_query_tokens,
         )
         yield CounterMetricFamily(
-            "noesis_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=hits
+            "noesis_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            value=stats.prefix_hit_tokens,
         )
         yield CounterMetricFamily(
             "noesis_engine_step_failures",

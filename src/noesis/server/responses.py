@@ -1,7 +1,9 @@
 """Engine outputs -> OpenAI response JSON: whole responses, and SSE chunks while streaming.
 
 Chat and text completions differ only in how a choice looks; `ChatFormat` and `CompletionFormat`
-hold those differences, and the rest (deltas, logprobs, usage, [DONE]) is shared.
+hold those differences, and the rest (deltas, logprobs, usage, [DONE]) is shared. Streaming is
+the hot path (one event per choice per engine step): the constant head of every chunk is encoded
+once per response, and the choices that advanced together go out in one write.
 """
 
 from __future__ import annotations
@@ -11,11 +13,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as json_str
 
 from noesis.engine.outputs import RequestOutput
 from noesis.server.errors import from_exception
 from noesis.server.generation import Generation
 from noesis.tokenizer import Tokenizer
+
+DONE = b"data: [DONE]\n\n"
+# ASCII-only JSON: no U+2028, NEL or other code point that a line splitter might break on
+_encoder = json.JSONEncoder(separators=(",", ":"))
+
+
+def json_bytes(payload) -> bytes:
+    return _encoder.encode(payload).encode()
 
 
 class TokenTexts:
@@ -45,13 +56,12 @@ class Reply:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def usage(self, outputs: list[RequestOutput | None], n: int) -> dict:
+    def usage(self, completion_tokens: int, n: int) -> dict:
         prompt = sum(self.prompt_lens[::n])  # each prompt once, however many choices it has
-        completion = sum(len(o.token_ids) for o in outputs if o is not None)
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
         }
 
 
@@ -65,30 +75,28 @@ class ChatFormat:
         return {
             "index": index,
             "message": {"role": "assistant", "content": out.text},
-            "logprobs": _chat_logprobs(reply, out.token_ids, out.logprobs, 0),
+            "logprobs": _chat_logprobs(reply, out.token_ids, out.logprobs),
             "finish_reason": out.finish_reason,
         }
 
     @staticmethod
-    def first_chunks(reply: Reply, num_choices: int) -> list[dict]:
+    def first_chunks(reply: Reply, num_choices: int) -> list[str]:
         return [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
+            f'{{"index":{i},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+            '"finish_reason":null}'
             for i in range(num_choices)
         ]
 
     @staticmethod
-    def delta(reply: Reply, index: int, text: str, out: RequestOutput, start: int, chars: int):
-        return {
-            "index": index,
-            "delta": {"content": text} if text else {},
-            "logprobs": _chat_logprobs(reply, out.token_ids, out.logprobs, start),
-            "finish_reason": out.finish_reason if out.finished else None,
-        }
+    def delta(reply: Reply, index: int, out: RequestOutput, sent_chars: int) -> str:
+        """One choice of a chunk, as JSON: `out` is a delta; sent_chars of text went before."""
+        delta = f'{{"content":{json_str(out.text)}}}' if out.text else "{}"
+        logprobs = _chat_logprobs(reply, out.token_ids, out.logprobs)
+        return (
+            f'{{"index":{index},"delta":{delta},'
+            f'"logprobs":{_encoder.encode(logprobs) if logprobs else "null"},'
+            f'"finish_reason":{_reason(out)}}}'
+        )
 
 
 class CompletionFormat:
@@ -102,30 +110,28 @@ class CompletionFormat:
         return {
             "index": index,
             "text": echo + out.text,
-            "logprobs": _completion_logprobs(reply, out.token_ids, out.logprobs, 0, len(echo)),
+            "logprobs": _completion_logprobs(reply, out.token_ids, out.logprobs, len(echo)),
             "finish_reason": out.finish_reason,
         }
 
     @staticmethod
-    def first_chunks(reply: Reply, num_choices: int) -> list[dict]:
+    def first_chunks(reply: Reply, num_choices: int) -> list[str]:
         if not reply.echo:
             return []
         return [
-            {"index": i, "text": reply.echo[i], "logprobs": None, "finish_reason": None}
+            f'{{"index":{i},"text":{json_str(reply.echo[i])},"logprobs":null,"finish_reason":null}}'
             for i in range(num_choices)
         ]
 
     @staticmethod
-    def delta(reply: Reply, index: int, text: str, out: RequestOutput, start: int, chars: int):
+    def delta(reply: Reply, index: int, out: RequestOutput, sent_chars: int) -> str:
         echo = len(reply.echo[index]) if reply.echo else 0
-        return {
-            "index": index,
-            "text": text,
-            "logprobs": _completion_logprobs(
-                reply, out.token_ids, out.logprobs, start, echo + chars
-            ),
-            "finish_reason": out.finish_reason if out.finished else None,
-        }
+        logprobs = _completion_logprobs(reply, out.token_ids, out.logprobs, echo + sent_chars)
+        return (
+            f'{{"index":{index},"text":{json_str(out.text)},'
+            f'"logprobs":{_encoder.encode(logprobs) if logprobs else "null"},'
+            f'"finish_reason":{_reason(out)}}}'
+        )
 
 
 Format = type[ChatFormat] | type[CompletionFormat]
@@ -138,60 +144,77 @@ def full_response(fmt: Format, reply: Reply, outputs: list[RequestOutput], n: in
         "created": reply.created,
         "model": reply.model,
         "choices": [fmt.choice(reply, i, out) for i, out in enumerate(outputs)],
-        "usage": reply.usage(outputs, n),
+        "usage": reply.usage(sum(len(out.token_ids) for out in outputs), n),
         "system_fingerprint": None,
     }
+
+
+class ChunkEncoder:
+    """SSE events of one streamed response. Every chunk shares id, object, created and model
+    (and "usage": null when usage comes at the end): those bytes are built once."""
+
+    def __init__(self, fmt: Format, reply: Reply, include_usage: bool) -> None:
+        self.head = {
+            "id": fmt.id_prefix + (reply.id or uuid.uuid4().hex),
+            "object": fmt.chunk_object,
+            "created": reply.created,
+            "model": reply.model,
+        }
+        self._open = b"data: " + json_bytes(self.head)[:-1] + b',"choices":['
+        self._close = (b'],"usage":null}' if include_usage else b"]}") + b"\n\n"
+
+    def choices(self, choices_json: str) -> bytes:
+        return self._open + choices_json.encode() + self._close
+
+    def usage(self, usage: dict) -> bytes:
+        return b"data: " + json_bytes(self.head | {"choices": [], "usage": usage}) + b"\n\n"
 
 
 async def sse_stream(
     fmt: Format, reply: Reply, generation: Generation, n: int, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """Server-sent events: one chunk per advance of a choice, then usage if asked, then [DONE]."""
-    base = {
-        "id": fmt.id_prefix + (reply.id or uuid.uuid4().hex),
-        "object": fmt.chunk_object,
-        "created": reply.created,
-        "model": reply.model,
-    }
-    if include_usage:
-        base["usage"] = None
-    num_choices = len(generation.streams)
-    sent_chars, sent_tokens = [0] * num_choices, [0] * num_choices
+    """Server-sent events: a chunk per choice that advanced, usage if asked, then [DONE].
+
+    The choices that advanced since the last write (one engine step's worth, or several when
+    this client fell behind) leave in one write; the last one carries usage and [DONE] too.
+    """
+    chunks = ChunkEncoder(fmt, reply, include_usage)
+    sent_chars = [0] * len(generation.streams)
     try:
-        for choice in fmt.first_chunks(reply, num_choices):
-            yield _event(base | {"choices": [choice]})
-        async for index, out in generation.outputs():
-            text = out.text[sent_chars[index] :]
-            if not (text or out.finished or _new_logprobs(reply, out, sent_tokens[index])):
-                continue
-            choice = fmt.delta(reply, index, text, out, sent_tokens[index], sent_chars[index])
-            sent_chars[index], sent_tokens[index] = len(out.text), len(out.token_ids)
-            yield _event(base | {"choices": [choice]})
-        if include_usage:
-            yield _event(base | {"choices": [], "usage": reply.usage(generation.last, n)})
+        first = fmt.first_chunks(reply, len(generation.streams))
+        if first:
+            yield b"".join(chunks.choices(choice) for choice in first)
+        while not generation.finished:
+            events = []
+            for index, out in await generation.next():
+                if out.text or out.finished or (reply.logprobs_k is not None and out.token_ids):
+                    events.append(chunks.choices(fmt.delta(reply, index, out, sent_chars[index])))
+                    sent_chars[index] += len(out.text)
+            if generation.finished:
+                if include_usage:
+                    events.append(chunks.usage(reply.usage(sum(generation.num_tokens), n)))
+                events.append(DONE)
+            if events:
+                yield b"".join(events)
     except Exception as exc:  # headers are gone: report in-band, as OpenAI does
-        yield _event(from_exception(exc).body())
-    yield b"data: [DONE]\n\n"
+        yield b"data: " + json_bytes(from_exception(exc).body()) + b"\n\n" + DONE
+    finally:
+        generation.close()
 
 
-def _event(payload: dict) -> bytes:
-    # ASCII-only JSON: no U+2028, NEL or other code point that a line splitter might break on
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
-def _new_logprobs(reply: Reply, out: RequestOutput, sent: int) -> bool:
-    return reply.logprobs_k is not None and len(out.token_ids) > sent
+def _reason(out: RequestOutput) -> str:
+    return f'"{out.finish_reason}"' if out.finished and out.finish_reason else "null"
 
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
 
-def _chat_logprobs(reply: Reply, token_ids, logprobs, start: int) -> dict | None:
+def _chat_logprobs(reply: Reply, token_ids, logprobs) -> dict | None:
     if reply.logprobs_k is None or logprobs is None:
         return None
     content = []
-    for token_id, entry in zip(token_ids[start:], logprobs[start : len(token_ids)], strict=True):
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
         top = [_chat_entry(reply, t, lp) for t, lp in _top(entry, reply.logprobs_k)]
         content.append(_chat_entry(reply, token_id, entry[token_id]) | {"top_logprobs": top})
     return {"content": content, "refusal": None}
@@ -202,11 +225,11 @@ def _chat_entry(reply: Reply, token_id: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def _completion_logprobs(reply: Reply, token_ids, logprobs, start: int, offset: int) -> dict | None:
+def _completion_logprobs(reply: Reply, token_ids, logprobs, offset: int) -> dict | None:
     if reply.logprobs_k is None or logprobs is None:
         return None
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids[start:], logprobs[start : len(token_ids)], strict=True):
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
         text = reply.token_text(token_id)
         tokens.append(text)
         token_logprobs.append(entry[token_id])
