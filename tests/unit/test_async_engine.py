@@ -1,4 +1,5 @@
-"""AsyncEngine over a fake engine: streaming, abort on close, admission, and step failures."""
+"""AsyncEngine over a fake engine (streaming, merging, abort on close, admission, step failures)
+and over a real tiny engine in a child process."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import pytest
 from noesis import SamplingParams
 from noesis.engine.async_engine import (
     AsyncEngine,
+    EngineProcess,
     EngineStats,
     EngineStepError,
     EngineThread,
     Outbox,
     QueueFull,
 )
+from noesis.engine.engine import EngineConfig
 from noesis.engine.outputs import RequestOutput
-from noesis.errors import InvalidRequest
+from noesis.errors import InvalidRequest, ModelNotFound, PromptTooLong
 
 BAD_PROMPT = [666]
 
@@ -184,3 +187,44 @@ def test_admission_is_all_or_nothing():
         assert info.value.retry_after >= 1 and engine.num_in_flight == 2
 
     run(test, max_in_flight=3)
+
+
+# ---- the engine in a child process --------------------------------------------------------------
+
+
+def test_engine_process_streams_what_the_engine_generates(checkpoints):
+    """A real tiny checkpoint in a child process: same tokens as in-process, errors rebuilt."""
+    path = str(checkpoints.path("llama"))
+    prompt = [5, 6, 7, 8]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    expected = checkpoints.llm("llama").generate([prompt], greedy)[0]
+    config = EngineConfig(device="cpu", dtype="float32", progress=False, max_model_len=64)
+    backend = EngineProcess.spawn(path, config, "warning")
+    assert backend.info.max_model_len == 64 and backend.info.tokenizer.vocab_size > 0
+
+    async def main():
+        engine = AsyncEngine(backend, max_in_flight=4)
+        engine.start()
+        try:
+            (stream,) = engine.add(prompt, [greedy])
+            out = await stream.result()
+            (too_long,) = engine.add(list(range(1, 65)), [greedy])
+            with pytest.raises(PromptTooLong) as info:
+                await too_long.started()
+            assert info.value.prompt_len == 64 and info.value.max_model_len == 64
+            return out, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    try:
+        out, stats = asyncio.run(main())
+    finally:
+        backend.close()
+    assert out.token_ids == expected.token_ids and out.text == expected.text
+    assert out.prompt_token_ids == prompt and len(out.logprobs) == 6
+    assert stats.kv_pages_used == 0 and stats.running == 0 and not backend.alive
+
+
+def test_engine_process_raises_what_loading_raised(tmp_path):
+    with pytest.raises(ModelNotFound):
+        EngineProcess.spawn(str(tmp_path / "absent"), EngineConfig(device="cpu", progress=False))

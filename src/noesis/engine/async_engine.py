@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from noesis.engine.engine import Engine, EngineConfig
@@ -101,10 +103,11 @@ def _merge_by_index(items: list[tuple[int, Item]]) -> list[tuple[int, Item]]:
     grouped: dict[int, list[Item]] = {}
     for index, item in items:
         grouped.setdefault(index, []).append(item)
-    merged = []
+    merged: list[tuple[int, Item]] = []
     for index, group in grouped.items():
-        error = next((item for item in group if isinstance(item, BaseException)), None)
-        merged.append((index, error if error is not None else merge_deltas(group)))  # type: ignore[arg-type]
+        errors = [item for item in group if isinstance(item, BaseException)]
+        outputs = [item for item in group if isinstance(item, RequestOutput)]
+        merged.append((index, errors[0] if errors else merge_deltas(outputs)))
     return merged
 
 
@@ -245,6 +248,9 @@ class EngineLoop:
             report = Report()
             if not self._apply(self.receive(not self.engine.has_unfinished()), report):
                 break
+            if report.accepted or report.rejected:
+                self.report(report)  # answers now: their responses get ready during the step
+                report = Report()
             if self.engine.has_unfinished():
                 self._step(report)
             report.stats = self.stats(self.engine)
@@ -340,7 +346,9 @@ class EngineProcess:
     queue for one GIL. Commands go down a pipe from a sender thread (the event loop never blocks
     on a full pipe); reports come up another, read by the event loop as they arrive."""
 
-    def __init__(self, process, commands, reports, info: EngineInfo) -> None:
+    def __init__(
+        self, process: BaseProcess, commands: Connection, reports: Connection, info: EngineInfo
+    ) -> None:
         self._process = process
         self._commands = commands  # Connection, parent -> child
         self._reports = reports  # Connection, child -> parent
@@ -426,7 +434,9 @@ class EngineProcess:
             on_lost(EngineDead(f"the engine process exited ({self._process.exitcode})"))
 
 
-def _engine_process_main(model: str, config: EngineConfig, log_level: str, commands, reports):
+def _engine_process_main(
+    model: str, config: EngineConfig, log_level: str, commands: Connection, reports: Connection
+) -> None:
     """The child: load the Engine, say ready (or why not), then run the EngineLoop on the pipes.
     Once loaded, the parent alone decides when it ends (it drains first): SIGINT and SIGTERM
     are ignored, and a closed pipe means stop."""
@@ -439,33 +449,46 @@ def _engine_process_main(model: str, config: EngineConfig, log_level: str, comma
         reports.send(("error", _pack_error(exc)))
         return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        reports.send(("ready", info))
-    except OSError:  # the parent gave up waiting
-        return
-    gc.collect()
-    gc.freeze()  # the model and libraries stay: collections scan only what steps allocate
+    pipes = _ChildPipes(commands, reports)
+    if pipes.send(("ready", info)):
+        gc.collect()
+        gc.freeze()  # the model and libraries stay: collections scan only what steps allocate
+        EngineLoop(engine, pipes.receive, pipes.report).run()
 
-    def receive(block: bool) -> list[Command]:
-        received = []
+
+class _ChildPipes:
+    """The child's ends of the pipes: commands in, reports out. A parent gone reads as a stop."""
+
+    def __init__(self, commands: Connection, reports: Connection) -> None:
+        self.commands = commands
+        self.reports = reports
+        self.parent_gone = False
+
+    def receive(self, block: bool) -> list[Command]:
+        received: list[Command] = []
         try:
-            if block or commands.poll():
-                received.append(commands.recv())
-            while commands.poll():
-                received.append(commands.recv())
-        except EOFError:  # the parent is gone
-            received.append(("stop",))
-        return received
+            if (block or self.commands.poll()) and not self.parent_gone:
+                received.append(self.commands.recv())
+            while not self.parent_gone and self.commands.poll():
+                received.append(self.commands.recv())
+        except (EOFError, OSError):
+            self.parent_gone = True
+        return received + [("stop",)] if self.parent_gone else received
 
-    def report(r: Report) -> None:
-        for out in r.outputs:
-            out.prompt_token_ids = []  # the parent has them; never resend a prompt per step
-        r.rejected = [(i, _pack_error(e)) for i, e in r.rejected]  # type: ignore[misc]
-        if r.error is not None:
-            r.error = _pack_error(r.error)  # type: ignore[assignment]
-        reports.send(r)
+    def report(self, report: Report) -> None:
+        for out in report.outputs:
+            out.prompt_token_ids = []  # the parent has them: never resend a prompt per step
+        report.rejected = [(i, _pack_error(e)) for i, e in report.rejected]  # type: ignore[misc]
+        if report.error is not None:
+            report.error = _pack_error(report.error)  # type: ignore[assignment]
+        self.send(report)
 
-    EngineLoop(engine, receive, report).run()
+    def send(self, message: Any) -> bool:
+        try:
+            self.reports.send(message)
+        except OSError:
+            self.parent_gone = True
+        return not self.parent_gone
 
 
 def _log_to_stderr(level: str) -> None:

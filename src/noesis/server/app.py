@@ -1,7 +1,8 @@
-"""The FastAPI app: routes, API key, lifespan of the engine thread, and `serve()` under uvicorn.
+"""The FastAPI app: routes, API key, the engine's lifespan, and `serve()` under uvicorn.
 
 A generation request goes: body bytes -> validated wire type (protocol.py) -> token ids and one
-SamplingParams per choice -> Generation (engine requests) -> JSON or SSE (responses.py).
+SamplingParams per choice -> Generation (engine requests) -> JSON or SSE (responses.py). The
+engine runs in its own process (EngineProcess), so this one only does HTTP and formatting.
 """
 
 from __future__ import annotations
@@ -310,9 +311,9 @@ def create_app(config: ServeConfig, backend: EngineThread | EngineProcess) -> Fa
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # Everything loaded so far (model, tokenizer, libraries: ~300k objects) lives as long as
-        # the server: frozen, a full collection scans only what requests allocate (~1 ms, not
-        # a 100+ ms pause of every stream and of the engine thread).
+        # What is loaded so far (libraries, tokenizer; the model too with EngineThread: ~300k
+        # objects) lives as long as the server. Frozen, a full collection scans only what
+        # requests allocate: ~1 ms, not a 100+ ms pause of every stream.
         gc.collect()
         gc.freeze()
         state.engine.start()

@@ -88,8 +88,9 @@ class ChatFormat:
         ]
 
     @staticmethod
-    def delta(reply: Reply, index: int, out: RequestOutput, sent_chars: int) -> str:
-        """One choice of a chunk, as JSON: `out` is a delta; sent_chars of text went before."""
+    def delta(reply: Reply, index: int, out: RequestOutput, offset: int) -> str:
+        """One choice of a chunk, as JSON. `out` is a delta; `offset` is where its first token
+        starts in the whole completion, as the logprobs' token texts count it."""
         delta = f'{{"content":{json_str(out.text)}}}' if out.text else "{}"
         logprobs = _chat_logprobs(reply, out.token_ids, out.logprobs)
         return (
@@ -124,9 +125,9 @@ class CompletionFormat:
         ]
 
     @staticmethod
-    def delta(reply: Reply, index: int, out: RequestOutput, sent_chars: int) -> str:
+    def delta(reply: Reply, index: int, out: RequestOutput, offset: int) -> str:
         echo = len(reply.echo[index]) if reply.echo else 0
-        logprobs = _completion_logprobs(reply, out.token_ids, out.logprobs, echo + sent_chars)
+        logprobs = _completion_logprobs(reply, out.token_ids, out.logprobs, echo + offset)
         return (
             f'{{"index":{index},"text":{json_str(out.text)},'
             f'"logprobs":{_encoder.encode(logprobs) if logprobs else "null"},'
@@ -179,7 +180,7 @@ async def sse_stream(
     this client fell behind) leave in one write; the last one carries usage and [DONE] too.
     """
     chunks = ChunkEncoder(fmt, reply, include_usage)
-    sent_chars = [0] * len(generation.streams)
+    offsets = [0] * len(generation.streams)  # text_offset of each choice's next token
     try:
         first = fmt.first_chunks(reply, len(generation.streams))
         if first:
@@ -188,8 +189,9 @@ async def sse_stream(
             events = []
             for index, out in await generation.next():
                 if out.text or out.finished or (reply.logprobs_k is not None and out.token_ids):
-                    events.append(chunks.choices(fmt.delta(reply, index, out, sent_chars[index])))
-                    sent_chars[index] += len(out.text)
+                    events.append(chunks.choices(fmt.delta(reply, index, out, offsets[index])))
+                    if reply.logprobs_k is not None:
+                        offsets[index] += sum(len(reply.token_text(t)) for t in out.token_ids)
             if generation.finished:
                 if include_usage:
                     events.append(chunks.usage(reply.usage(sum(generation.num_tokens), n)))
