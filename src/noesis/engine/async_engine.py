@@ -441,7 +441,7 @@ def _engine_process_main(
     Once loaded, the parent alone decides when it ends (it drains first): SIGINT and SIGTERM
     are ignored, and a closed pipe means stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent's
-    _log_to_stderr(log_level)
+    setup_logging(log_level)
     try:
         engine = Engine(model, config)
         info = EngineInfo(engine.tokenizer, engine.max_model_len, config.max_num_seqs)
@@ -491,7 +491,8 @@ class _ChildPipes:
         return not self.parent_gone
 
 
-def _log_to_stderr(level: str) -> None:
+def setup_logging(level: str) -> None:
+    """Send noesis's log records to stderr at `level` (server and engine process alike)."""
     logger = logging.getLogger("noesis")
     if not logger.handlers:
         handler = logging.StreamHandler()

@@ -20,7 +20,13 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from noesis.engine.async_engine import AsyncEngine, EngineDead, EngineProcess, EngineThread
+from noesis.engine.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineProcess,
+    EngineThread,
+    setup_logging,
+)
 from noesis.engine.engine import Engine
 from noesis.errors import PromptTooLong
 from noesis.server.config import ServeConfig
@@ -336,7 +342,7 @@ def create_app(config: ServeConfig, backend: EngineThread | EngineProcess) -> Fa
 
 def serve(config: ServeConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain within the deadline, return 0."""
-    _setup_logging(config.log_level)
+    setup_logging(config.log_level)
     if config.engine_process:
         backend = EngineProcess.spawn(config.model, config.engine, config.log_level)
     else:
@@ -368,15 +374,6 @@ def _run(config: ServeConfig, app: FastAPI) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
-
-
-def _setup_logging(level: str) -> None:
-    logger = logging.getLogger("noesis")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(level.upper())
 
 
 class _Uvicorn(uvicorn.Server):
