@@ -37,6 +37,9 @@ test-all: setup
 run: setup
 	$(VENV)/bin/noesis chat --model $(BUNDLED) --temperature 0 "What is 17 times 23?"
 
+serve: setup
+	$(VENV)/bin/noesis serve --model $(BUNDLED)
+
 bench-cpu: setup
 	$(PY) benchmarks/cpu_decode.py
 
