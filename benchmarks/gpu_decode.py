@@ -196,7 +196,7 @@ def release_memory() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-1b,llama-8b")
-    parser.add_argument("--batches", default="8,32,64,128")
+    parser.add_argument("--batches", default="8,32,64,128", help="comma list; empty for none")
     parser.add_argument("--hf-compile", default="", help="shapes to also run with torch.compile")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench"))
@@ -217,9 +217,12 @@ def main() -> None:
         print(json.dumps(entry["noesis"], indent=1), flush=True)
         if not args.no_hf:
             entry["transformers eager"] = guarded(bench_transformers, path, False)
+            print("transformers eager", json.dumps(entry["transformers eager"]), flush=True)
             release_memory()
             if shape in args.hf_compile.split(","):
                 entry["transformers static+compile"] = guarded(bench_transformers, path, True)
+                print("transformers static+compile",
+                      json.dumps(entry["transformers static+compile"]), flush=True)
                 release_memory()
         report["shapes"][shape] = entry
         args.json.parent.mkdir(parents=True, exist_ok=True)
