@@ -65,7 +65,6 @@ def test_paged_decode_attention_matches_reference(
     )
     scale = head_dim**-0.5
     expected = TorchPagedAttention().decode(q, kv, meta, scale, window)
-    out = torch.full_like(q, float("nan"))
     out = triton_kernels.paged_decode_attention(
         q, kv[0], kv[1], tables, lens, scale, max(ctx_lens), window
     )

@@ -61,7 +61,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, config.page_size)
         # A length-dependent rope (dynamic NTK, longrope) rotates a prefix differently for
         # prompts of different lengths, so its pages cannot be shared between requests.
-        self.prefix_caching = config.enable_prefix_caching and not _length_dependent(model_config)
+        length_dependent = model_config.rope.length_dependent
+        self.prefix_caching = config.enable_prefix_caching and not length_dependent
         if config.enable_prefix_caching and not self.prefix_caching:
             logger.warning("prefix caching is off: %s rope depends on the sequence length",
                            model_config.rope.rope_type)
@@ -80,7 +81,7 @@ class Engine:
         self.timings = {"load_s": self.loaded.load_seconds, "capture_s": 0.0}
         if self.device.type == "cuda" and config.cuda_graphs:
             max_batch = config.max_graph_batch or min(config.max_num_seqs, 128)
-            self.timings["capture_s"] = self.runner.capture_graphs(max_batch, self.max_model_len)
+            self.timings["capture_s"] = self.runner.capture_graphs(max_batch)
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -229,10 +230,6 @@ class Engine:
             self.scheduler.finish(seq, FinishReason.STOP)
         elif seq.finished:
             state.append_text(state.detokenizer.flush(seq.token_ids))
-
-
-def _length_dependent(config) -> bool:
-    return config.rope.rope_type in ("dynamic", "longrope")
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

@@ -40,6 +40,11 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
 
+    @property
+    def length_dependent(self) -> bool:
+        """Frequencies depend on the sequence length reached (dynamic NTK, longrope)."""
+        return self.rope_type in ("dynamic", "longrope")
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -24,7 +24,7 @@ class RotaryEmbedding:
         self.dim = rope.rotary_dim
         self.max_position_embeddings = max_position_embeddings
         self.device = device
-        self.length_dependent = rope.rope_type in ("dynamic", "longrope")
+        self.length_dependent = rope.length_dependent
         inv_freq, self.scaling = _inv_freq(rope, max_position_embeddings, seq_len=None)
         positions = torch.arange(max_len, device=device)
         self.cos, self.sin = self._table(inv_freq.to(device), positions)

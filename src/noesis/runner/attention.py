@@ -63,8 +63,11 @@ class TorchPagedAttention:
     def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None):
         """Single-token decodes: q [Bd, H, d] over their page tables -> [Bd, H, d]."""
         length = meta.max_decode_ctx
-        slots = (meta.decode_pages[:, :, None] * meta.page_size
-                 + torch.arange(meta.page_size, device=q.device)).flatten(1)[:, :length]
+        if meta.decode_slots is None:  # once per step, shared by every layer
+            offsets = torch.arange(meta.page_size, device=q.device)
+            pages = meta.decode_pages[:, :, None] * meta.page_size
+            meta.decode_slots = (pages + offsets).flatten(1)[:, :length]
+        slots = meta.decode_slots
         keys, values = kv_cache.view(2, -1, *kv_cache.shape[-2:])[:, slots]  # [Bd, L, Hkv, d]
         if q.shape[0] == 1 and window is None:  # one sequence, every key visible: no mask
             return _sdpa(q[:, None], keys, values, None, scale)[:, 0]

@@ -26,6 +26,9 @@ class AttentionMetadata:
     decode_pages: torch.Tensor  # [Bd, max_pages] page tables, padded with page 0
     decode_ctx_lens: torch.Tensor  # [Bd]
     max_decode_ctx: int
+    # Cache slots [Bd, max_decode_ctx] of every decode's context, built on first use by a backend
+    # that gathers (the SDPA one), then shared by all layers of the step.
+    decode_slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

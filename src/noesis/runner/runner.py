@@ -38,15 +38,16 @@ class ModelRunner:
         self.kv = kv
         self.rope = rope
         self.device = device
+        self.max_model_len = max_model_len
         self.attention = attention or default_attention(device, max_model_len)
         self.vocab_size = model.config.vocab_size
         self.graphs: CudaGraphRunner | None = None
         self.step_counts = {"graph": 0, "eager": 0}  # how steps ran, for benchmarks
 
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> float:
+    def capture_graphs(self, max_batch: int) -> float:
         """Capture decode graphs (CUDA only); returns the seconds it took."""
         self.graphs = CudaGraphRunner(
-            self.model, self.kv, self.rope, self.attention, max_batch, max_model_len
+            self.model, self.kv, self.rope, self.attention, max_batch, self.max_model_len
         )
         self.graphs.capture()
         return self.graphs.capture_seconds
@@ -116,10 +117,7 @@ class ModelRunner:
         ctx_lens = [item.seq.num_computed + 1 for item in decodes]
         max_ctx = max(ctx_lens, default=0)
         max_pages = -(-max_ctx // page_size)
-        tables = [
-            item.seq.pages[:max_pages] + [0] * (max_pages - len(item.seq.pages[:max_pages]))
-            for item in decodes
-        ]
+        tables = [_padded(item.seq.pages[:max_pages], max_pages) for item in decodes]
         return AttentionMetadata(
             page_size=page_size,
             slot_mapping=slot_mapping,
@@ -200,11 +198,12 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
 
+def _padded(pages: list[int], length: int) -> list[int]:
+    return pages + [0] * (length - len(pages))
+
+
 def default_attention(device: torch.device, max_model_len: int):
     """The Triton paged backend on CUDA when Triton imports; the SDPA backend elsewhere."""
     if device.type == "cuda" and ops.use_triton(torch.empty(0, device=device)):
-        try:
-            return TritonPagedAttention(max_model_len)
-        except ImportError:
-            pass
+        return TritonPagedAttention(max_model_len)
     return TorchPagedAttention()
