@@ -21,7 +21,7 @@ from noesis.kv.prefix_cache import PrefixCache
 from noesis.models.rope import RotaryEmbedding
 from noesis.runner.runner import ModelRunner
 from noesis.sampling.params import SamplingParams
-from noesis.tokenizer import IncrementalDetokenizer
+from noesis.tokenizer import IncrementalDetokenizer, step_many
 
 logger = logging.getLogger(__name__)
 
@@ -207,29 +207,34 @@ class Engine:
             return []
         sampled = self.runner.run(plan)
         self.scheduler.update(plan, {sid: tok.token_id for sid, tok in sampled.items()})
-        outputs = []
-        for item in plan.scheduled:
-            seq = item.seq
-            if seq.seq_id not in sampled:
-                continue
-            state = self._requests[seq.request_id]
+        advanced = [
+            self._requests[item.seq.request_id]
+            for item in plan.scheduled
+            if item.seq.seq_id in sampled
+        ]
+        for state in advanced:
             if state.logprobs is not None:
-                state.logprobs.append(sampled[seq.seq_id].logprobs)
-            if state.incremental or seq.finished:
-                self._detokenize(state)
+                state.logprobs.append(sampled[state.seq.seq_id].logprobs)
+        self._detokenize([s for s in advanced if s.incremental or s.seq.finished])
+        outputs = []
+        for state in advanced:
+            seq = state.seq
             if state.stream or seq.finished:
                 outputs.append(state.output())
             if seq.finished:
                 del self._requests[seq.request_id]
         return outputs
 
-    def _detokenize(self, state: RequestState) -> None:
-        """Decode what is new (everything, for a non-incremental request at its end)."""
-        seq = state.seq
-        if state.append_text(state.detokenizer.step(seq.token_ids)):
-            self.scheduler.finish(seq, FinishReason.STOP)
-        elif seq.finished:
-            state.append_text(state.detokenizer.flush(seq.token_ids))
+    def _detokenize(self, states: list[RequestState]) -> None:
+        """Decode what is new for each (everything, for a non-incremental request at its end),
+        in one batched tokenizer call; a stop string found here finishes its request."""
+        texts = step_many([(state.detokenizer, state.seq.token_ids) for state in states])
+        for state, text in zip(states, texts, strict=True):
+            seq = state.seq
+            if state.append_text(text):
+                self.scheduler.finish(seq, FinishReason.STOP)
+            elif seq.finished:
+                state.append_text(state.detokenizer.flush(seq.token_ids))
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

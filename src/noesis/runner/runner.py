@@ -130,20 +130,24 @@ class ModelRunner:
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [seq.params for seq in seqs]
-        if all(p.greedy and not p.needs_penalties and p.logprobs is None for p in params):
-            return SamplingTensors.greedy()
-        filtering = any(p.needs_filtering for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        max_logprobs = max(logprobs) if logprobs else None
+        if all(p.greedy and not p.needs_penalties for p in params):
+            return SamplingTensors.greedy(max_logprobs)
+        filtering = any(p.needs_filtering for p in params)
+        # Two host -> device copies per step (one per dtype), not one per knob.
+        floats = self._tensor([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
+        ints = self._tensor([[seq.params.top_k, seq.seed, seq.num_output] for seq in seqs])
         return SamplingTensors(
-            temperature=self._tensor([p.temperature for p in params], torch.float32),
-            top_k=self._tensor([p.top_k for p in params]) if filtering else None,
-            top_p=self._tensor([p.top_p for p in params], torch.float32) if filtering else None,
-            min_p=self._tensor([p.min_p for p in params], torch.float32) if filtering else None,
-            seeds=self._tensor([seq.seed for seq in seqs]),
-            steps=self._tensor([seq.num_output for seq in seqs]),
+            temperature=floats[:, 0],
+            top_k=ints[:, 0] if filtering else None,
+            top_p=floats[:, 1] if filtering else None,
+            min_p=floats[:, 2] if filtering else None,
+            seeds=ints[:, 1],
+            steps=ints[:, 2],
             all_greedy=all(p.greedy for p in params),
             penalties=self._penalties(seqs) if any(p.needs_penalties for p in params) else None,
-            max_logprobs=max(logprobs) if logprobs else None,
+            max_logprobs=max_logprobs,
         )
 
     def _penalties(self, seqs: list[Sequence]) -> Penalties:

@@ -28,9 +28,9 @@ class SamplingTensors:
     max_logprobs: int | None = None  # largest k any row asked for
 
     @classmethod
-    def greedy(cls) -> SamplingTensors:
+    def greedy(cls, max_logprobs: int | None = None) -> SamplingTensors:
         """Plain argmax for every row: no per-row tensors to build or copy."""
-        return cls(None, None, None, None, None, None, all_greedy=True)
+        return cls(None, None, None, None, None, None, all_greedy=True, max_logprobs=max_logprobs)
 
 
 @dataclass(slots=True)

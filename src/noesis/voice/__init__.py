@@ -1,0 +1,1 @@
+"""Offline voice assistant: audio in, routed experts, speech out."""
