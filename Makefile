@@ -7,7 +7,7 @@ CPU_TORCH := torch==2.13.0
 CPU_TRITON := triton==3.6.0
 BUNDLED := models/noesis-tiny
 
-.PHONY: setup test test-all lint run serve bench-cpu clean
+.PHONY: setup test test-all lint run serve bench-cpu clean espeak-ng
 
 setup: $(VENV)/.installed
 
@@ -19,8 +19,16 @@ $(VENV)/.installed: pyproject.toml
 		if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 		else $(PY) -m pip install -q $(CPU_TORCH) $(CPU_TRITON); fi; \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,voice]"
+	$(PY) -m pip install -q --no-deps silero-vad==6.2.3
+	@command -v espeak-ng >/dev/null 2>&1 || $(MAKE) --no-print-directory espeak-ng
 	@touch $@
+
+# Speech synthesis needs the espeak-ng program (GPL: it runs as a separate process).
+espeak-ng:
+	@if [ "$$(id -u)" = 0 ]; then apt-get install -y -q espeak-ng >/dev/null || \
+		(apt-get update -q >/dev/null && apt-get install -y -q espeak-ng >/dev/null); \
+	else sudo apt-get install -y -q espeak-ng; fi
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts

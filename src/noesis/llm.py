@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -11,6 +14,10 @@ from noesis.engine.engine import Engine, EngineConfig
 from noesis.engine.outputs import RequestOutput
 from noesis.errors import InvalidRequest
 from noesis.sampling.params import SamplingParams
+from noesis.session import AssistantTurn, Session
+from noesis.session import ToolCall as SessionToolCall
+from noesis.tools import ToolExecutor
+from noesis.turns import harmony_encoding, parse_turn, turn_params
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -64,6 +71,67 @@ class LLM:
         ]
         outputs = self.generate(prompts, params)
         return outputs[0] if single else outputs
+
+    def generate_turn(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None = None,
+        *,
+        tool_choice: str | dict = "auto",
+        deterministic: bool = False,
+        cancel: threading.Event | None = None,
+        params: SamplingParams | None = None,
+        response_format: dict | None = None,
+        constrained: bool = True,
+    ) -> AssistantTurn:
+        """One assistant turn of a Harmony model, parsed: analysis, tool calls or a final answer.
+
+        With `constrained` (the default) the sampler can only produce a well-formed turn: tool
+        arguments valid for the tool's JSON schema, the final free of tool syntax, the final in
+        `response_format` when given. `deterministic` means greedy with seed 0. Setting `cancel`
+        aborts the generation (finish_reason "cancelled")."""
+        encoding = self._harmony()
+        if encoding is None:
+            raise InvalidRequest("generate_turn needs a Harmony model (this tokenizer has no "
+                                 "<|start|>/<|channel|>/<|message|> tokens); use chat() instead")
+        base = params or SamplingParams(max_tokens=1024)
+        if deterministic:
+            base = dataclasses.replace(base, temperature=0.0, seed=0)
+        prompt = self.render_chat(messages, tools)
+        turn = turn_params(base, encoding, tools, tool_choice, response_format, constrained)
+        out = self._run_one(prompt, turn, cancel)
+        parsed = parse_turn(encoding, out.token_ids)
+        calls = [SessionToolCall(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments)
+                 for c in parsed.tool_calls]
+        finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+        return AssistantTurn(parsed.analysis, calls, parsed.final, len(prompt),
+                             len(out.token_ids), "cancelled" if finish == "abort" else finish)
+
+    def session(self, **options: Any) -> Session:
+        """A Session over this model: `session.generate(messages, tools=[...])` runs the tool
+        loop to a final answer. Options go to Session (max_tool_rounds) and to its ToolExecutor
+        (max_concurrency, timeout_s, retry)."""
+        executor_options = {k: options.pop(k) for k in ("max_concurrency", "timeout_s", "retry")
+                            if k in options}
+        return Session(self, executor=ToolExecutor(**executor_options), **options)
+
+    def _harmony(self):
+        if not hasattr(self, "_harmony_encoding"):
+            self._harmony_encoding = harmony_encoding(self.tokenizer)
+        return self._harmony_encoding
+
+    def _run_one(self, prompt: list[int], params: SamplingParams, cancel) -> RequestOutput:
+        request_id = self.engine.add_request(prompt, params, stream=False)
+        try:
+            while True:
+                if cancel is not None and cancel.is_set():
+                    return self.engine.abort(request_id)
+                for out in self.engine.step():
+                    if out.request_id == request_id and out.finished:
+                        return out
+        except BaseException:
+            self.engine.abort(request_id)
+            raise
 
     def render_chat(
         self,

@@ -76,12 +76,14 @@ class Engine:
             model_config.rope, model_config.max_position_embeddings, self.max_model_len, self.device
         )
         self.runner = ModelRunner(
-            self.loaded.model, self.kv, rope, self.device, self.max_model_len
+            self.loaded.model, self.kv, rope, self.device, self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
         )
         self.timings = {"load_s": self.loaded.load_seconds, "capture_s": 0.0}
         if self.device.type == "cuda" and config.cuda_graphs:
             max_batch = config.max_graph_batch or min(config.max_num_seqs, 128)
             self.timings["capture_s"] = self.runner.capture_graphs(max_batch)
+        self._grammars = None  # GrammarCompiler, built on the first constrained request
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -180,9 +182,24 @@ class Engine:
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Sequence(
+        seq = Sequence(
             seq_id, request_id, token_ids, len(token_ids), params, limit, seed, frozenset(stop_ids)
         )
+        if params.grammar is not None:
+            seq.matcher = self.grammar_compiler().matcher(params.grammar)  # GrammarError: 400
+        return seq
+
+    def grammar_compiler(self):
+        """The tokenizer's grammar compiler (llguidance), built once; its cache is shared."""
+        if self._grammars is None:
+            from noesis.structured.llguidance_backend import GrammarCompiler
+
+            # Ends are the tokenizer's EOS ids, less Harmony's <|return|>/<|call|>: in a
+            # Harmony turn grammar those are symbols of the grammar itself.
+            self._grammars = GrammarCompiler.from_tokenizer(
+                self.tokenizer, self.loaded.config.vocab_size
+            )
+        return self._grammars
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self._requests.pop(request_id, None)
@@ -207,6 +224,7 @@ class Engine:
             return []
         sampled = self.runner.run(plan)
         self.scheduler.update(plan, {sid: tok.token_id for sid, tok in sampled.items()})
+        self._advance_grammars(plan, sampled)
         advanced = [
             self._requests[item.seq.request_id]
             for item in plan.scheduled
@@ -224,6 +242,21 @@ class Engine:
             if seq.finished:
                 del self._requests[seq.request_id]
         return outputs
+
+    def _advance_grammars(self, plan, sampled) -> None:
+        """Feed each constrained sequence its sampled token; a completed grammar ends the
+        request (the mask allowed only tokens the grammar accepts, so a rejection is a bug)."""
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.matcher is None or seq.seq_id not in sampled:
+                continue
+            token = sampled[seq.seq_id].token_id
+            if token in seq.stop_ids and seq.matcher.is_accepting():
+                continue  # a stop token that closes a complete match
+            accepted = seq.matcher.accept_token(token)
+            assert accepted, f"grammar rejected sampled token {token} of {seq.request_id}"
+            if seq.matcher.is_terminated() and not seq.finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
 
     def _detokenize(self, states: list[RequestState]) -> None:
         """Decode what is new for each (everything, for a non-incremental request at its end),

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from noesis.sampling.params import SamplingParams
+from noesis.structured.matcher import GrammarMatcher  # no torch: the planner stays host-only
 
 
 class SequenceStatus(enum.Enum):
@@ -39,6 +40,7 @@ class Sequence:
     num_preemptions: int = 0
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full pages
     num_cached_pages: int = 0  # leading pages taken from or given to the prefix cache
+    matcher: GrammarMatcher | None = None  # the request's grammar state, fed each sampled token
 
     @property
     def num_output(self) -> int:

@@ -16,6 +16,7 @@ from noesis.runner.attention import TorchPagedAttention, TritonPagedAttention
 from noesis.runner.cuda_graph import CudaGraphRunner
 from noesis.runner.inputs import AttentionMetadata, ForwardInputs, PrefillSpan
 from noesis.sampling.sampler import Penalties, SamplerOutput, SamplingTensors, sample
+from noesis.structured.bitmask import MaskFiller, apply_token_bitmask_
 
 
 @dataclass(slots=True)
@@ -33,15 +34,18 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         attention=None,
+        max_num_seqs: int = 256,
     ) -> None:
         self.model = model
         self.kv = kv
         self.rope = rope
         self.device = device
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs  # rows a step can sample: sizes the grammar masks
         self.attention = attention or default_attention(device, max_model_len)
         self.vocab_size = model.config.vocab_size
         self.graphs: CudaGraphRunner | None = None
+        self.masks = None  # MaskFiller, made for the first step with a grammar
         self.step_counts = {"graph": 0, "eager": 0}  # how steps ran, for benchmarks
 
     def capture_graphs(self, max_batch: int) -> float:
@@ -56,16 +60,30 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> dict[int, SampledToken]:
         """Execute one step; returns seq_id -> sampled token for sequences that sample."""
         sampling = [item.seq for item in plan.scheduled if item.samples]
+        matchers = [seq.matcher for seq in sampling]
+        constrained = any(m is not None for m in matchers)
+        if constrained:  # the masks fill on a CPU thread while the forward runs
+            self._mask_filler().start(matchers)
         if self.graphs is not None and self.graphs.can_replay(plan):
             logits = self.graphs.replay(plan)
             self.step_counts["graph"] += 1
         else:
             logits = self.forward_eager(plan)
             self.step_counts["eager"] += 1
+        if constrained:
+            bitmask = self.masks.result(self.device)
+            if bitmask is not None:
+                apply_token_bitmask_(logits, bitmask)
         if not sampling:
             return {}
         out = sample(logits, self.sampling_tensors(sampling))
         return self._to_host(out, sampling)
+
+    def _mask_filler(self):
+        if self.masks is None:
+            with torch.inference_mode(False):  # its worker thread writes the buffers
+                self.masks = MaskFiller(self.vocab_size, self.max_num_seqs)
+        return self.masks
 
     def forward_eager(self, plan: StepPlan) -> torch.Tensor | None:
         """Logits [B, V] of the sampling sequences (None when none samples)."""

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from noesis.errors import InvalidSamplingParams
+from noesis.structured.matcher import GrammarSpec
 
 MAX_LOGPROBS = 20
 
@@ -33,6 +34,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # A constraint enforced while sampling (noesis.structured.GrammarSpec): JSON schema, regex,
+    # Lark. Only tokens the grammar allows can be sampled; the request stops when it completes.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string; store tuples so the object stays hashable.
@@ -69,6 +73,10 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidSamplingParams(
+                "grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,7 @@ from noesis.engine.async_engine import (
 )
 from noesis.engine.engine import Engine
 from noesis.errors import PromptTooLong
+from noesis.sampling.params import SamplingParams
 from noesis.server.config import ServeConfig
 from noesis.server.errors import APIError, install_handlers
 from noesis.server.generation import Generation
@@ -38,11 +39,13 @@ from noesis.server.responses import (
     ChatFormat,
     CompletionFormat,
     Format,
+    HarmonyChatFormat,
     Reply,
     TokenTexts,
     full_response,
     sse_stream,
 )
+from noesis.turns import harmony_encoding, turn_params
 
 log = logging.getLogger("noesis.server")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
@@ -62,6 +65,7 @@ class ServerState:
         self.engine = AsyncEngine(backend, info.max_num_seqs + config.max_queue)
         self.metrics = Metrics(self.engine)
         self.token_text = TokenTexts(info.tokenizer)
+        self.harmony = harmony_encoding(info.tokenizer)  # None: no tool-call syntax
         self.created = int(time.time())
         self.draining = False
 
@@ -125,8 +129,23 @@ class ServerState:
     # ---- generation --------------------------------------------------------------------------
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        text = self.tokenizer.apply_chat_template(body.template_messages())
+        harmony = self.harmony is not None
+        tools = body.tools if harmony and body.effective_tool_choice != "none" else None
+        text = self.tokenizer.apply_chat_template(body.template_messages(harmony), tools)
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
+
+    def chat_turn(self, body: ChatCompletionRequest):
+        """How a chat reply is constrained and read: the turn's SamplingParams adjustment and
+        the response format. GrammarError (a 400) for bad tools / tool_choice / schemas."""
+        choice = body.effective_tool_choice
+        tools = body.tools if choice != "none" else None
+
+        def adjust(params):
+            return turn_params(params, self.harmony, tools, choice, body.response_format)
+
+        adjust(SamplingParams())  # validate here, before anything is queued
+        fmt = ChatFormat if self.harmony is None else HarmonyChatFormat(self.harmony, body.n)
+        return adjust, fmt
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
@@ -138,6 +157,7 @@ class ServerState:
         prompts: list[list[int]],
         fmt: Format,
         echo: list[str] | None = None,
+        adjust=None,
     ) -> Response:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -147,6 +167,8 @@ class ServerState:
             )
             for p in prompts
         ]
+        if adjust is not None:
+            params = [[adjust(choice) for choice in choices] for choices in params]
         generation = Generation(self.engine, self.metrics, keep_outputs=not body.stream)
         await generation.start(prompts, params)
         n = body.n
@@ -234,8 +256,9 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.model)
     body.refuse_unsupported()
     state.check_n(body.n)
+    adjust, fmt = state.chat_turn(body)
     prompt = await _off_loop_if_long(size, state.chat_prompt, body)
-    return await state.generate(request, body, [prompt], ChatFormat)
+    return await state.generate(request, body, [prompt], fmt, adjust=adjust)
 
 
 @v1.post("/completions")

@@ -32,7 +32,9 @@ class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's analysis, as responses carry it
 
 
 class _SamplingFields(_Model):
@@ -109,13 +111,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise _not_yet("response_format")
-        for name in ("tools", "functions", "function_call", "audio", "prediction"):
+        for name in ("functions", "function_call"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is the deprecated form: use tools and tool_choice",
+                               name, "unsupported_parameter")
+        for name in ("audio", "prediction"):
             if getattr(self, name):
                 raise _not_yet(name)
-        if self.tool_choice not in (None, "none"):
-            raise _not_yet("tool_choice")
         if self.web_search_options is not None:
             raise _not_yet("web_search_options")
         if self.modalities not in (None, ["text"]):
@@ -131,8 +133,24 @@ class ChatCompletionRequest(_SamplingFields):
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [_template_message(i, m) for i, m in enumerate(self.messages)]
+    @property
+    def effective_tool_choice(self) -> Any:
+        """OpenAI's default: "auto" when tools are given, "none" otherwise."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_messages(self, tool_calls: bool = False) -> list[dict[str, Any]]:
+        """Messages for the chat template; assistant tool calls and tool results only when the
+        model's format can carry them (`tool_calls`)."""
+        messages = [_template_message(i, m, tool_calls) for i, m in enumerate(self.messages)]
+        names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
+        for message in messages:  # a tool result names its tool through the call's id
+            if message["role"] == "tool" and "name" not in message:
+                name = names.get(message.get("tool_call_id"))
+                if name is not None:
+                    message["name"] = name
+        return messages
 
 
 class CompletionRequest(_SamplingFields):
@@ -209,10 +227,11 @@ def _param_name(loc: tuple) -> str:
     return name
 
 
-def _template_message(index: int, message: ChatMessage) -> dict[str, str]:
+def _template_message(index: int, message: ChatMessage, tool_calls: bool) -> dict[str, Any]:
     param = f"messages[{index}]"
-    if message.role == "tool" or message.tool_calls:
-        message_text = f"{param}: tool messages arrive with tool support"
+    if not tool_calls and (message.role == "tool" or message.tool_calls):
+        message_text = (f"{param}: tool calls and tool results need a model whose chat format "
+                        "has tool-call syntax (Harmony); this model's has none")
         raise APIError(400, message_text, param, "unsupported_parameter")
     role = "system" if message.role == "developer" else message.role
     content = message.content
@@ -220,10 +239,29 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, str]:
         content = ""
     elif isinstance(content, list):
         content = "".join(_text_part(f"{param}.content[{i}]", p) for i, p in enumerate(content))
-    out = {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [_tool_call(f"{param}.tool_calls[{i}]", c)
+                             for i, c in enumerate(message.tool_calls)]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content:
+        out["thinking"] = message.reasoning_content
     return out
+
+
+def _tool_call(param: str, call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{param}: needs function.name", param, "invalid_value")
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise APIError(400, f"{param}: function.arguments must be a JSON string", param,
+                       "invalid_value")
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _text_part(param: str, part: dict[str, Any]) -> str:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as json_str
 
 from noesis.engine.outputs import RequestOutput
+from noesis.harmony.encoding import HarmonyEncoding
+from noesis.harmony.parser import ContentDelta, HarmonyStreamParser, MessageStart, parse_completion
 from noesis.server.errors import from_exception
 from noesis.server.generation import Generation
 from noesis.tokenizer import Tokenizer
@@ -100,6 +102,84 @@ class ChatFormat:
         )
 
 
+class HarmonyChatFormat(ChatFormat):
+    """Chat choices of a Harmony model: the final channel is `content`, analysis is
+    `reasoning_content`, calls to functions.NAME are `tool_calls` (finish_reason "tool_calls").
+    Streams are parsed as they arrive, one parser per choice; an instance serves one call."""
+
+    def __init__(self, encoding: HarmonyEncoding, num_choices: int) -> None:
+        self.encoding = encoding
+        self.parsers = [HarmonyStreamParser(encoding) for _ in range(num_choices)]
+        self.recipients: list[str | None] = [None] * num_choices  # of the open message
+        self.num_calls = [0] * num_choices
+
+    def choice(self, reply: Reply, index: int, out: RequestOutput) -> dict:
+        turn = parse_completion(self.encoding, out.token_ids)
+        calls = [_call_json(c.name, c.arguments, i) for i, c in enumerate(turn.tool_calls)]
+        message: dict = {"role": "assistant", "content": turn.final}
+        if turn.analysis:
+            message["reasoning_content"] = turn.analysis
+        if calls:
+            message["tool_calls"] = calls
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": _chat_logprobs(reply, out.token_ids, out.logprobs),
+            "finish_reason": _harmony_reason(out, bool(calls)),
+        }
+
+    def delta(self, reply: Reply, index: int, out: RequestOutput, offset: int) -> str:
+        parser = self.parsers[index]
+        events = [e for t in out.token_ids for e in parser.feed(t)]
+        if out.finished:
+            events += parser.finish()
+        delta: dict = {}
+        for event in events:
+            self._fold(index, event, delta)
+        logprobs = _chat_logprobs(reply, out.token_ids, out.logprobs)
+        reason = _harmony_reason(out, self.num_calls[index] > 0) if out.finished else None
+        return (
+            f'{{"index":{index},"delta":{_encoder.encode(delta)},'
+            f'"logprobs":{_encoder.encode(logprobs) if logprobs else "null"},'
+            f'"finish_reason":{_encoder.encode(reason)}}}'
+        )
+
+    def _fold(self, index: int, event, delta: dict) -> None:
+        """One parser event into the chunk's delta."""
+        if isinstance(event, MessageStart):
+            self.recipients[index] = _function(event.recipient)
+            if self.recipients[index] is not None:
+                call = _call_json(self.recipients[index], "", self.num_calls[index])
+                delta.setdefault("tool_calls", []).append(call)
+                self.num_calls[index] += 1
+        elif isinstance(event, ContentDelta):
+            if self.recipients[index] is not None:
+                calls = delta.setdefault("tool_calls", [])
+                position = self.num_calls[index] - 1
+                if calls and calls[-1]["index"] == position:
+                    calls[-1]["function"]["arguments"] += event.text
+                else:
+                    calls.append({"index": position, "function": {"arguments": event.text}})
+            else:
+                key = "reasoning_content" if event.channel == "analysis" else "content"
+                delta[key] = delta.get(key, "") + event.text
+
+
+def _function(recipient: str | None) -> str | None:
+    if recipient is None or recipient == "assistant":
+        return None
+    return recipient.removeprefix("functions.")
+
+
+def _call_json(name: str, arguments: str, index: int) -> dict:
+    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _harmony_reason(out: RequestOutput, called: bool) -> str | None:
+    return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+
+
 class CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
@@ -135,7 +215,7 @@ class CompletionFormat:
         )
 
 
-Format = type[ChatFormat] | type[CompletionFormat]
+Format = type[ChatFormat] | type[CompletionFormat] | HarmonyChatFormat
 
 
 def full_response(fmt: Format, reply: Reply, outputs: list[RequestOutput], n: int) -> dict:
