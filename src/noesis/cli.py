@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -51,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         help="Harmony models: 'builtin' (noesis-tiny's calculator, convert_units, day_of_week, "
         "lookup_country; run for real), 'none', or comma-separated built-in tool names "
         "(default: builtin for the bundled models, else none)",
+    )
+    chat.add_argument(
+        "--unconstrained", action="store_true",
+        help="Harmony models: sample freely instead of under the turn grammar (which keeps "
+        "channels well formed and tool arguments valid for the tool's schema)",
     )
     _add_sampling_args(chat)
     chat.set_defaults(handler=_chat)
@@ -146,6 +152,11 @@ def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled run (default 0)")
     parser.add_argument("--max-tokens", type=int, default=128, help="per generation (default 128)")
     parser.add_argument("--json", help="also write the report (with per-example scores) here")
+    parser.add_argument(
+        "--constraint", choices=("harmony",),
+        help="sample under a grammar: 'harmony' = well-formed turns, tool arguments valid for "
+        "the tool's schema (default: unconstrained, the baseline)",
+    )
 
 
 def _model_arg(args: argparse.Namespace) -> str:
@@ -231,6 +242,10 @@ def _chat_reply(args: argparse.Namespace, llm, params):
     bundled = Path(_model_arg(args)).resolve() in BUNDLED_MODELS
     declared = chat.tool_declarations(args.tools or ("builtin" if bundled else "none"))
     display = chat.Display()
+    if not args.unconstrained:
+        from noesis.structured.harmony_grammar import harmony_turn_spec
+
+        params = dataclasses.replace(params, grammar=harmony_turn_spec(declared or None))
 
     def reply(history: list[dict], message: str) -> None:
         history.append({"role": "user", "content": message})
@@ -257,7 +272,7 @@ def _eval_tools(args: argparse.Namespace) -> int:
     sampled = None if args.temperature is None else SamplingParams(temperature=args.temperature)
     config = EvalConfig(
         split=args.split, n=args.n, corpus_seed=args.corpus_seed, max_tokens=args.max_tokens,
-        sampled=sampled, seed=args.seed,
+        sampled=sampled, seed=args.seed, constraint=args.constraint,
     )
     # Passes 2 and 3 repeat pass 1's prompt: prefix caching skips most of their prefill.
     options = {"progress": False, "enable_prefix_caching": True}

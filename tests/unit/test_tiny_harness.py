@@ -142,7 +142,7 @@ def test_metrics_on_scripted_outputs():
 
 def test_decoding_hooks_wrap_the_engine_and_unknown_ones_are_refused(monkeypatch):
     llm = ScriptedLLM(lambda prompt: "<|channel|>final<|message|>ok<|return|>")
-    with pytest.raises(InvalidRequest, match=r"unknown constraint 'json' \(available: none yet\)"):
+    with pytest.raises(InvalidRequest, match=r"unknown constraint 'json' \(available: harmony\)"):
         harness.evaluate_tools(llm, harness.EvalConfig(n=1, constraint="json"))
     with pytest.raises(InvalidRequest, match=r"unknown controller 'entropy'"):
         harness.generator(llm, controller="entropy")
@@ -155,9 +155,26 @@ def test_decoding_hooks_wrap_the_engine_and_unknown_ones_are_refused(monkeypatch
 
         return generate
 
-    monkeypatch.setitem(harness.CONSTRAINTS, "upper", upper)
-    report = harness.evaluate_tools(llm, harness.EvalConfig(n=2, constraint="upper"))
-    assert seen == [2, 2] and report["constraint"] == "upper" and report["controller"] is None
+    monkeypatch.setitem(harness.CONTROLLERS, "upper", upper)
+    report = harness.evaluate_tools(llm, harness.EvalConfig(n=2, controller="upper"))
+    assert seen == [2, 2] and report["controller"] == "upper" and report["constraint"] is None
+
+
+def test_the_harmony_constraint_puts_each_examples_tools_into_its_grammar():
+    """Every request of an example is sampled under a turn grammar made from that example's
+    declared tools (so its arguments must match their schemas)."""
+    asked = []
+
+    class Recording(ScriptedLLM):
+        def generate(self, prompts, params):
+            asked.extend(p.grammar for p in params)
+            return super().generate(prompts, params)
+
+    llm = Recording(lambda prompt: "<|channel|>final<|message|>ok<|return|>")
+    harness.evaluate_tools(llm, harness.EvalConfig(n=3, constraint="harmony"))
+    examples = corpus.generate(1234, "heldout", 3)
+    expected = {harness.CONSTRAINTS["harmony"](e) for e in examples}
+    assert asked and set(asked) == expected and None not in asked
 
 
 def test_sampled_requests_get_stable_distinct_seeds():

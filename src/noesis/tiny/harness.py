@@ -24,6 +24,8 @@ from typing import Any
 
 from noesis.errors import InvalidRequest
 from noesis.sampling.params import SamplingParams
+from noesis.structured.harmony_grammar import harmony_turn_spec
+from noesis.structured.matcher import GrammarSpec
 from noesis.tiny import chat, corpus, evaluate
 from noesis.tiny.corpus import Example
 from noesis.tiny.lexicon import Split
@@ -31,19 +33,26 @@ from noesis.tiny.lexicon import Split
 # Generate: prompts (token ids) and one SamplingParams each -> generated token ids and text each.
 Generate = Callable[[list[list[int]], list[SamplingParams]], list[tuple[list[int], str]]]
 
-# Decoding hooks by name: each takes the LLM and the Generate it wraps and returns a Generate.
-# Later issues register a constraint here (a JSON grammar for tool-call arguments) and a controller
-# (decoding steered by the model's entropy). None exist yet: runs without them are the baselines.
+# Controllers by name: each takes the LLM and the Generate it wraps and returns a Generate (a
+# later issue registers one steered by the model's entropy). None exist yet.
 Hook = Callable[[Any, Generate], Generate]
-CONSTRAINTS: dict[str, Hook] = {}
 CONTROLLERS: dict[str, Hook] = {}
+
+
+def _harmony_turn(example: Example) -> GrammarSpec:
+    return harmony_turn_spec(example.tools or None, "auto")
+
+
+# Constraints by name: the grammar each request of an example is sampled under. "harmony": a
+# well-formed turn whose tool arguments match the called tool's declared schema.
+CONSTRAINTS: dict[str, Callable[[Example], GrammarSpec | None]] = {"harmony": _harmony_turn}
 
 DEFINITIONS = {
     "tool_selection_accuracy": "share of examples whose first turn calls the expected tool, or "
     "calls none when no tool is expected",
     "call_json_rate": "share of first-turn tool calls whose arguments parse as a JSON object",
     "call_validity": "share of first-turn tool calls whose arguments parse and validate against "
-    "the called tool's declared schema (first try, no constraint: the baseline)",
+    "the called tool's declared schema, on the first try (unconstrained: the baseline)",
     "call_arguments_correct": "share of first-turn tool calls that are valid and give the "
     "expected tool result when executed",
     "final_answer_accuracy": "share of scored examples whose final answer contains the expected "
@@ -100,11 +109,12 @@ def evaluate_tools(llm, config: EvalConfig, draft=None) -> dict[str, Any]:
     """Run the harness; returns the report (summaries, definitions, per-example scores)."""
     if config.n < 1 or config.max_tool_steps < 1:
         raise InvalidRequest("n and max_tool_steps must be >= 1")
-    generate = generator(llm, config.constraint, config.controller)
+    generate = generator(llm, config.controller)
+    constraint = _constraint(config.constraint)
     examples = corpus.generate(config.corpus_seed, config.split, config.n)
-    runs = [run(generate, llm, examples, config, None)]
+    runs = [run(generate, llm, examples, config, None, constraint)]
     if config.sampled is not None:
-        runs.append(run(generate, llm, examples, config, config.sampled))
+        runs.append(run(generate, llm, examples, config, config.sampled, constraint))
     report: dict[str, Any] = {
         "split": config.split,
         "corpus_seed": config.corpus_seed,
@@ -128,18 +138,23 @@ def evaluate_tools(llm, config: EvalConfig, draft=None) -> dict[str, Any]:
     return report
 
 
-def generator(llm, constraint: str | None = None, controller: str | None = None) -> Generate:
-    """The engine's batched generate, wrapped by the named constraint, then the controller."""
+def generator(llm, controller: str | None = None) -> Generate:
+    """The engine's batched generate, wrapped by the named controller."""
     generate = _engine_generate(llm)
-    for kind, name, hooks in (("constraint", constraint, CONSTRAINTS),
-                              ("controller", controller, CONTROLLERS)):  # fmt: skip
-        if name is None:
-            continue
-        if name not in hooks:
-            known = ", ".join(hooks) or "none yet"
-            raise InvalidRequest(f"unknown {kind} {name!r} (available: {known})")
-        generate = hooks[name](llm, generate)
+    if controller is not None:
+        generate = _named("controller", controller, CONTROLLERS)(llm, generate)
     return generate
+
+
+def _constraint(name: str | None):
+    return None if name is None else _named("constraint", name, CONSTRAINTS)
+
+
+def _named(kind: str, name: str, table: dict[str, Any]):
+    if name not in table:
+        known = ", ".join(table) or "none yet"
+        raise InvalidRequest(f"unknown {kind} {name!r} (available: {known})")
+    return table[name]
 
 
 def _engine_generate(llm) -> Generate:
@@ -165,6 +180,7 @@ def run(
     examples: list[Example],
     config: EvalConfig,
     sampled: SamplingParams | None,
+    constraint: Callable[[Example], GrammarSpec | None] | None = None,
 ) -> RunResult:
     """Passes 1-3 over every example under one decoding setting (greedy when sampled is None)."""
     began = time.perf_counter()
@@ -173,8 +189,10 @@ def run(
 
     def params(example: Example, step: str) -> SamplingParams:
         seed = None if sampled is None else request_seed(config.seed, example.id, step)
+        grammar = constraint(example) if constraint is not None else None
         return dataclasses.replace(
-            base, seed=seed, max_tokens=config.max_tokens, skip_special_tokens=False
+            base, seed=seed, max_tokens=config.max_tokens, skip_special_tokens=False,
+            grammar=grammar,
         )
 
     traces = [Trace(e, list(e.prompt_messages)) for e in examples]
