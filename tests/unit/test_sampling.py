@@ -177,3 +177,33 @@ def test_two_stage_argmax_equals_argmax(vocab):
     x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
     x[1, 3] = x[1, vocab - 2] = 50.0  # a tie resolves to the lowest index
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+def test_uniform_noise_never_reaches_zero_or_one():
+    """The extreme 32-bit hashes map strictly inside (0, 1): Exp(1) noise stays positive, so
+    no token's score can become +inf (an earlier 24-bit mapping rounded the top value to 1.0)."""
+    from noesis.sampling.noise import unit_interval
+
+    extremes = torch.tensor([0, 1, (1 << 31), (1 << 32) - 2, (1 << 32) - 1])
+    u = unit_interval(extremes)
+    assert bool((u > 0).all() and (u < 1).all())
+    assert bool((-torch.log(u) > 0).all())
+
+
+def test_a_masked_vocabulary_never_yields_a_masked_token():
+    """Rows where one token of a 2^20 vocabulary is allowed (the rest -inf, as a grammar mask
+    leaves them) sample that token every time, over many seeds and steps. With the old noise,
+    each row-step had a 6% chance to pick a masked id."""
+    from noesis.sampling.sampler import SamplingTensors, sample
+
+    vocab, rows = 1 << 20, 16
+    allowed = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(0))
+    for step in range(8):
+        logits = torch.full((rows, vocab), float("-inf"))
+        logits[torch.arange(rows), allowed] = 0.0
+        t = SamplingTensors(
+            temperature=torch.ones(rows), top_k=None, top_p=None, min_p=None,
+            seeds=torch.arange(rows) * 7919 + 3, steps=torch.full((rows,), step),
+            all_greedy=False,
+        )
+        assert torch.equal(sample(logits, t).token_ids, allowed)

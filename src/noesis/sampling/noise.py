@@ -26,8 +26,15 @@ def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.
     key2 = _mix32(key ^ 0x5BD1E995)
     token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     x = _mix32(((token * 0x9E3779B1) + key[:, None]) & MASK32)
-    x = _mix32(x ^ key2[:, None])
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(_mix32(x ^ key2[:, None]))
+
+
+def unit_interval(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 in (0, 1), never 0 or 1."""
+    # 23 bits: (k + 0.5) / 2^23 is exact in float32, so u lies in [2^-24, 1 - 2^-24]. With 24
+    # bits the top value rounded to 1.0, its Exp(1) noise to 0 and its score to +inf (or NaN for
+    # a masked token): once in 2^24 tokens a token won whatever its probability.
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
