@@ -245,17 +245,18 @@ class Engine:
 
     def _advance_grammars(self, plan, sampled) -> None:
         """Feed each constrained sequence its sampled token; a completed grammar ends the
-        request (the mask allowed only tokens the grammar accepts, so a rejection is a bug)."""
+        request. The mask allowed only tokens the grammar accepts, so a rejection is a bug: it
+        ends that request and is logged, the step goes on."""
         for item in plan.scheduled:
             seq = item.seq
-            if seq.matcher is None or seq.seq_id not in sampled:
-                continue
+            if seq.matcher is None or seq.seq_id not in sampled or seq.finished:
+                continue  # finished: by a stop token (which may close the match) or the length
             token = sampled[seq.seq_id].token_id
-            if token in seq.stop_ids and seq.matcher.is_accepting():
-                continue  # a stop token that closes a complete match
-            accepted = seq.matcher.accept_token(token)
-            assert accepted, f"grammar rejected sampled token {token} of {seq.request_id}"
-            if seq.matcher.is_terminated() and not seq.finished:
+            if not seq.matcher.accept_token(token):  # a bug, but one request's, not the step's
+                logger.error("grammar rejected sampled token %d of %s; request aborted",
+                             token, seq.request_id)
+                self.scheduler.finish(seq, FinishReason.ABORT)
+            elif seq.matcher.is_terminated():
                 self.scheduler.finish(seq, FinishReason.STOP)
 
     def _detokenize(self, states: list[RequestState]) -> None:
