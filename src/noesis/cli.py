@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
+    from noesis.voice.app import add_voice_parser
+
+    add_voice_parser(sub)  # noesis voice: speech in, routed experts, speech out
+
     gen = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
     _add_model_args(gen)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")

@@ -1,0 +1,220 @@
+"""Voice configuration: experts, routing rules (task -> expert, device, tools), per-stage thread
+budgets and generation settings, read from TOML or JSON over built-in defaults.
+
+A file names only what it changes; tables are merged key by key over DEFAULTS, except `rules`,
+which a file replaces whole. Relative paths are relative to the repository root.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from noesis.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+TOOL_TASKS = (
+    "calculator", "convert_units", "add_days", "days_between", "day_of_week", "lookup_country",
+    "string_tool",
+)
+
+DEFAULTS: dict[str, Any] = {
+    "router": "models/noesis-router",
+    "experts": {
+        "noesis-tiny": "models/noesis-tiny",
+        "noesis-tiny-draft": "models/noesis-tiny-draft",
+    },
+    # First matching rule wins; `tasks = ["*"]` matches any task. `device` is a preference list:
+    # the first device present is used ("cuda" only when torch sees one).
+    "rules": [
+        # The tool a routed question needs is the only one declared: a shorter prompt to prefill.
+        {"tasks": [task], "expert": "noesis-tiny", "device": ["cuda", "cpu"], "tools": [task]}
+        for task in TOOL_TASKS
+    ]
+    + [
+        {"tasks": ["greeting"], "expert": "noesis-tiny-draft", "device": ["cpu"], "tools": []},
+        {"tasks": ["*"], "expert": "noesis-tiny", "device": ["cuda", "cpu"], "tools": []},
+    ],
+    # Intra-op threads per stage (torch, onnxruntime, ctranslate2). On 2 cores the LLM gets one,
+    # so synthesis of the first sentence is not starved while generation goes on.
+    "threads": {"vad": 1, "asr": 2, "router": 1, "llm": 1, "tts": 1},
+    "pool": {"memory_budget_bytes": 512 * 2**20, "prefetch_chunk_bytes": 4 * 2**20},
+    "generation": {
+        "dtype": "float32", "temperature": 0.0, "max_tokens": 160, "max_model_len": 1024,
+        "max_tool_steps": 3, "system": "Answer clearly and briefly.",
+    },
+    "queue_size": 4,
+}
+
+
+@dataclass(frozen=True)
+class RouteRule:
+    tasks: tuple[str, ...]
+    expert: str
+    devices: tuple[str, ...]
+    tools: tuple[str, ...]
+
+    def matches(self, task: str) -> bool:
+        return "*" in self.tasks or task in self.tasks
+
+
+@dataclass(frozen=True)
+class Route:
+    expert: str
+    device: str
+    tools: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Threads:
+    vad: int
+    asr: int
+    router: int
+    llm: int
+    tts: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    dtype: str
+    temperature: float
+    max_tokens: int
+    max_model_len: int
+    max_tool_steps: int
+    system: str
+
+
+@dataclass(frozen=True)
+class VoiceConfig:
+    router: Path
+    experts: dict[str, Path]
+    rules: tuple[RouteRule, ...]
+    threads: Threads
+    memory_budget_bytes: int
+    prefetch_chunk_bytes: int
+    generation: Generation
+    queue_size: int
+
+    def route(self, task: str, cuda_available: bool | None = None) -> Route:
+        """The expert, device and tools of the first rule matching `task`."""
+        for rule in self.rules:
+            if rule.matches(task):
+                return Route(rule.expert, pick_device(rule.devices, cuda_available), rule.tools)
+        raise ConfigError(f"no routing rule matches task {task!r}; add one (or tasks = ['*'])")
+
+    def check_labels(self, labels: tuple[str, ...]) -> None:
+        """Every label the router can produce must reach a rule."""
+        unrouted = [label for label in labels if not any(r.matches(label) for r in self.rules)]
+        if unrouted:
+            raise ConfigError(f"routing rules miss the router's tasks {unrouted}")
+
+
+def pick_device(preferences: tuple[str, ...], cuda_available: bool | None = None) -> str:
+    """The first preferred device present; "cuda" counts only when torch sees a GPU."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    for device in preferences:
+        if device == "cpu" or (device == "cuda" and cuda_available):
+            return device
+    raise ConfigError(
+        f"none of the devices {list(preferences)} is available here (cuda: {cuda_available}); "
+        "add 'cpu' to the rule's device list"
+    )
+
+
+def load_config(path: str | Path | None = None) -> VoiceConfig:
+    """DEFAULTS, overridden by a .toml or .json file when one is given."""
+    raw = copy.deepcopy(DEFAULTS)
+    if path is not None:
+        raw = merge(raw, read_file(Path(path)))
+    return parse(raw)
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"voice config {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            import tomllib  # Python 3.11+
+
+            return tomllib.loads(text)
+        if path.suffix == ".json":
+            return json.loads(text)
+    except ImportError as exc:
+        raise ConfigError("TOML voice configs need Python 3.11+; use a .json file") from exc
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"voice config {path} is not valid {path.suffix[1:]}: {exc}") from exc
+    raise ConfigError(f"voice config {path}: use a .toml or .json file")
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(override) - set(DEFAULTS))
+    if unknown:
+        raise ConfigError(f"unknown voice config keys {unknown} (known: {sorted(DEFAULTS)})")
+    for key, value in override.items():
+        if isinstance(base.get(key), dict) and key != "rules":
+            if not isinstance(value, dict):
+                raise ConfigError(f"voice config key {key!r} must be a table")
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
+
+
+def parse(raw: dict[str, Any]) -> VoiceConfig:
+    try:
+        experts = {name: _path(p) for name, p in raw["experts"].items()}
+        rules = tuple(_rule(r, experts) for r in raw["rules"])
+        threads = Threads(**raw["threads"])
+        generation = Generation(**raw["generation"])
+    except (TypeError, KeyError) as exc:
+        raise ConfigError(f"voice config: {exc}") from exc
+    for stage, count in vars(threads).items():
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"voice config threads.{stage} must be an integer >= 1")
+    pool = raw["pool"]
+    return VoiceConfig(
+        router=_path(raw["router"]),
+        experts=experts,
+        rules=rules,
+        threads=threads,
+        memory_budget_bytes=_positive(pool, "memory_budget_bytes"),
+        prefetch_chunk_bytes=_positive(pool, "prefetch_chunk_bytes"),
+        generation=generation,
+        queue_size=_positive(raw, "queue_size"),
+    )
+
+
+def _rule(raw: dict[str, Any], experts: dict[str, Path]) -> RouteRule:
+    from noesis.tiny.tools import TOOLS
+
+    rule = RouteRule(
+        tuple(raw["tasks"]), raw["expert"], tuple(raw["device"]), tuple(raw.get("tools", ()))
+    )
+    if rule.expert not in experts:
+        raise ConfigError(f"rule {raw} names expert {rule.expert!r}; experts: {sorted(experts)}")
+    bad_devices = [d for d in rule.devices if d not in ("cuda", "cpu")]
+    if bad_devices or not rule.devices:
+        raise ConfigError(f"rule {raw}: device must be a list of 'cuda' / 'cpu'")
+    unknown = [t for t in rule.tools if t not in TOOLS]
+    if unknown:
+        raise ConfigError(f"rule {raw}: unknown tools {unknown} (built-in: {sorted(TOOLS)})")
+    return rule
+
+
+def _path(value: str) -> Path:
+    path = Path(value)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def _positive(table: dict[str, Any], key: str) -> int:
+    value = table[key]
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"voice config {key} must be a positive integer, got {value!r}")
+    return value

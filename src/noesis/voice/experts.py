@@ -1,0 +1,383 @@
+"""Expert pool: memory-mapped safetensors experts, chunked prefetch, LRU under a byte budget, and
+streaming an expert's spoken (final-channel) answer with the built-in tool loop.
+
+Residency is measured with `mincore(2)` (through ctypes) on the pool's own read-only mapping of
+each file: the fraction of the file's pages in the page cache. The budget counts what a loaded
+expert holds in memory, as its `measure` function reports (weights plus KV pool for noesis.LLM).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import statistics
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from noesis.errors import ConfigError, NoesisError
+
+PAGE_SIZE = mmap.PAGESIZE
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+
+
+class UnknownExpert(NoesisError, KeyError):
+    """The pool has no expert of that name."""
+
+
+class ExpertTooLarge(NoesisError, ValueError):
+    """One expert alone needs more memory than the pool's budget."""
+
+
+# ---------------------------------------------------------------- one mapped file
+
+
+class MappedFile:
+    """A read-only mmap of one file: chunked WILLNEED prefetch, page touching, mincore residency."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size = path.stat().st_size
+        with open(path, "rb") as handle:
+            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        view = np.frombuffer(self.map, dtype=np.uint8)
+        self.address = view.ctypes.data  # valid while the map is open
+        del view  # an exported buffer would keep the map from closing
+
+    def advise(self, chunk_bytes: int) -> int:
+        """madvise(MADV_WILLNEED) chunk by chunk (one call over the whole file reads ahead only a
+        few MB); returns the number of calls. The kernel reads in the background."""
+        chunk = max(PAGE_SIZE, chunk_bytes // PAGE_SIZE * PAGE_SIZE)
+        calls = 0
+        for offset in range(0, self.size, chunk):
+            self.map.madvise(mmap.MADV_WILLNEED, offset, min(chunk, self.size - offset))
+            calls += 1
+        return calls
+
+    def touch(self) -> int:
+        """Fault in every page by reading one byte of each; returns a checksum so it is not
+        optimized away."""
+        view = np.frombuffer(self.map, dtype=np.uint8)
+        try:
+            return int(view[::PAGE_SIZE].sum())
+        finally:
+            del view
+
+    def resident_fraction(self) -> float:
+        pages = -(-self.size // PAGE_SIZE)
+        if pages == 0:
+            return 1.0
+        vector = (ctypes.c_ubyte * pages)()
+        if _libc().mincore(ctypes.c_void_p(self.address), ctypes.c_size_t(self.size), vector):
+            raise OSError(ctypes.get_errno(), f"mincore failed on {self.path}")
+        return sum(v & 1 for v in vector) / pages
+
+    def drop_from_page_cache(self) -> None:
+        """Ask the kernel to forget this file's cached pages (a cold start, for measurements)."""
+        self.map.madvise(mmap.MADV_DONTNEED)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.map.close()
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.mincore.restype = ctypes.c_int
+        _LIBC = libc
+    return _LIBC
+
+
+# ---------------------------------------------------------------- the pool
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    name: str
+    path: Path  # a checkpoint directory with *.safetensors, or one .safetensors file
+
+    @property
+    def files(self) -> list[Path]:
+        if self.path.is_file():
+            return [self.path]
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"expert {self.name!r}: no *.safetensors in {self.path}")
+        return files
+
+
+@dataclass
+class PoolStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    prefetch_seconds: list[float] = field(default_factory=list)  # until fully resident
+    advise_seconds: list[float] = field(default_factory=list)  # the madvise calls alone
+    load_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+    def summary(self) -> dict[str, Any]:
+        def median(values: list[float]) -> float | None:
+            return round(statistics.median(values), 4) if values else None
+
+        return {
+            "hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
+            "evictions": self.evictions, "prefetches": len(self.prefetch_seconds),
+            "prefetch_s_median": median(self.prefetch_seconds),
+            "prefetch_s_max": max(self.prefetch_seconds, default=None),
+            "advise_s_median": median(self.advise_seconds),
+            "load_s_median": median(self.load_seconds),
+        }
+
+
+@dataclass
+class _Loaded:
+    value: Any
+    device: str
+    nbytes: int
+
+
+class ExpertPool:
+    """Experts by name. `prefetch` warms an expert's files; `acquire` returns it loaded (a hit
+    when already loaded on that device), evicting least recently used experts to stay within
+    `budget_bytes`. Thread-safe: the router prefetches while the answer stage acquires."""
+
+    def __init__(
+        self,
+        specs: list[ExpertSpec],
+        budget_bytes: int,
+        load: Callable[[ExpertSpec, str], Any],
+        measure: Callable[[Any], int],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        wait_resident_s: float = 2.0,
+    ) -> None:
+        self.specs = {spec.name: spec for spec in specs}
+        self.budget_bytes = budget_bytes
+        self.load, self.measure = load, measure
+        self.chunk_bytes = chunk_bytes
+        self.wait_resident_s = wait_resident_s  # how long prefetch waits to time the read-in
+        self.stats = PoolStats()
+        self._maps: dict[str, list[MappedFile]] = {}
+        self._loaded: OrderedDict[str, _Loaded] = OrderedDict()  # least recently used first
+        self._lock = threading.RLock()
+
+    def spec(self, name: str) -> ExpertSpec:
+        if name not in self.specs:
+            raise UnknownExpert(f"no expert named {name!r} (experts: {sorted(self.specs)})")
+        return self.specs[name]
+
+    def mapped(self, name: str) -> list[MappedFile]:
+        with self._lock:
+            if name not in self._maps:
+                self._maps[name] = [MappedFile(path) for path in self.spec(name).files]
+            return self._maps[name]
+
+    def prefetch(self, name: str, touch: bool = False) -> float:
+        """Read an expert's files into the page cache ahead of use: chunked MADV_WILLNEED (or,
+        with `touch`, faulting every page in). Returns seconds until resident (or until
+        `wait_resident_s`), which the stats keep."""
+        files = self.mapped(name)
+        start = time.perf_counter()
+        for mapped in files:
+            mapped.touch() if touch else mapped.advise(self.chunk_bytes)
+        self.stats.advise_seconds.append(time.perf_counter() - start)
+        while self.residency(name) < 1.0 and time.perf_counter() - start < self.wait_resident_s:
+            time.sleep(0.002)
+        seconds = time.perf_counter() - start
+        self.stats.prefetch_seconds.append(seconds)
+        return seconds
+
+    def residency(self, name: str) -> float:
+        """Fraction of the expert's file pages in the page cache (mincore)."""
+        files = self.mapped(name)
+        total = sum(f.size for f in files)
+        return sum(f.resident_fraction() * f.size for f in files) / total if total else 1.0
+
+    def acquire(self, name: str, device: str) -> Any:
+        with self._lock:
+            loaded = self._loaded.get(name)
+            if loaded is not None and loaded.device == device:
+                self._loaded.move_to_end(name)
+                self.stats.hits += 1
+                return loaded.value
+            self.stats.misses += 1
+            if loaded is not None:
+                self._evict(name)
+            start = time.perf_counter()
+            value = self.load(self.spec(name), device)
+            self.stats.load_seconds.append(time.perf_counter() - start)
+            nbytes = self.measure(value)
+            if nbytes > self.budget_bytes:
+                raise ExpertTooLarge(
+                    f"expert {name!r} needs {nbytes} bytes, over the pool budget of "
+                    f"{self.budget_bytes}; raise pool.memory_budget_bytes"
+                )
+            while self._loaded and self.used_bytes + nbytes > self.budget_bytes:
+                self._evict(next(iter(self._loaded)))
+            self._loaded[name] = _Loaded(value, device, nbytes)
+            return value
+
+    def is_loaded(self, name: str, device: str) -> bool:
+        loaded = self._loaded.get(name)
+        return loaded is not None and loaded.device == device
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(loaded.nbytes for loaded in self._loaded.values())
+
+    def loaded_names(self) -> list[str]:
+        """Least recently used first."""
+        return list(self._loaded)
+
+    def _evict(self, name: str) -> None:
+        self._loaded.pop(name)
+        self.stats.evictions += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._loaded.clear()
+            for files in self._maps.values():
+                for mapped in files:
+                    mapped.close()
+            self._maps.clear()
+
+
+# ---------------------------------------------------------------- noesis.LLM experts
+
+
+def llm_loader(dtype: str, max_model_len: int) -> Callable[[ExpertSpec, str], Any]:
+    """Load an expert through noesis.LLM, with a KV pool sized for one conversation."""
+
+    def load(spec: ExpertSpec, device: str):
+        from noesis.llm import LLM
+
+        return LLM(
+            str(spec.path), device=device, dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=2, progress=False,
+        )
+
+    return load
+
+
+def llm_bytes(llm) -> int:
+    """Weights plus KV pool of a loaded noesis.LLM."""
+    model = llm.engine.loaded.model
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    return weights + llm.engine.kv.nbytes
+
+
+# ---------------------------------------------------------------- answering
+
+
+@dataclass(frozen=True)
+class AnswerSettings:
+    max_tokens: int = 160
+    temperature: float = 0.0
+    max_tool_steps: int = 3
+    system: str | None = None
+
+
+def stream_answer(
+    llm,
+    messages: list[dict[str, Any]],
+    tool_names: tuple[str, ...],
+    settings: AnswerSettings,
+    stop: threading.Event,
+    on_first_token: Callable[[], None] = lambda: None,
+) -> Iterator[str]:
+    """Yield the final-channel text of the answer to the last user message as it is generated,
+    running the built-in tools the model calls in between. Only final-channel text is yielded;
+    analysis and tool calls are not. Setting `stop` (or closing the iterator) aborts the request."""
+    from noesis.sampling.params import SamplingParams
+    from noesis.tiny import chat
+
+    declared = chat.tool_declarations(",".join(tool_names)) if tool_names else []
+    # No stop strings: the engine holds back the last characters of the text while they could
+    # begin one, which would delay speech; a closed final message ends the stream instead.
+    params = SamplingParams(
+        temperature=settings.temperature, max_tokens=settings.max_tokens,
+        skip_special_tokens=False,
+    )
+    system = [{"role": "developer", "content": settings.system}] if settings.system else []
+    turn: list[dict[str, Any]] = []
+    first = True
+    for _ in range(settings.max_tool_steps):
+        prompt = llm.render_chat(system + messages + turn, declared or None)
+        generated = [""]
+        for delta, whole in _final_deltas(llm.stream(prompt, params), stop):
+            generated[0] = whole
+            if first:
+                on_first_token()
+                first = False
+            if delta:
+                yield delta
+        if stop.is_set():
+            return
+        action = chat.next_action(chat.parse_stream(generated[0]))
+        if not isinstance(action, tuple) or not declared:
+            return  # a final answer (already yielded), or nothing usable
+        analysis, name, arguments = action
+        result = chat.run_declared(declared, name, arguments)
+        turn += chat.call_messages(analysis, name, arguments, result, f"call_{len(turn) // 2}")
+
+
+def _final_deltas(deltas: Iterator[str], stop: threading.Event) -> Iterator[tuple[str, str]]:
+    """(new final-channel text, whole generated text) per generated delta; closes the stream
+    (aborting the request) when `stop` is set or the consumer stops."""
+    from noesis.tiny import chat
+    from noesis.tiny.harmony import ParsedMessage
+
+    text, spoken = "", 0
+    try:
+        for delta in deltas:
+            if stop.is_set():
+                return
+            text += delta
+            final = next(
+                (
+                    s
+                    for s in chat.parse_stream(text)
+                    if isinstance(s, ParsedMessage) and s.channel == "final" and not s.recipient
+                ),
+                None,
+            )
+            content = final.content if final is not None else ""
+            yield content[spoken:], text
+            spoken = max(spoken, len(content))
+            if final is not None and final.stop:
+                return  # answered; whatever the model runs on to is not wanted
+    finally:
+        deltas.close()
+
+
+def answer_function(pool: ExpertPool, settings: AnswerSettings, tools_of: Callable[[str], tuple]):
+    """What AnswerStage calls: acquire the routed expert, stream its spoken answer."""
+
+    def answer(decision, history, stop, on_first_token):
+        llm = pool.acquire(decision.expert, decision.device)
+        messages = history + [{"role": "user", "content": decision.text}]
+        return stream_answer(llm, messages, tools_of(decision.task), settings, stop, on_first_token)
+
+    return answer
