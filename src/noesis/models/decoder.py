@@ -49,6 +49,10 @@ class DecoderLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        if _is_ternary(config):  # packed 2-bit projections (noesis.ternary)
+            from noesis.ternary.linear import use_ternary_projections
+
+            use_ternary_projections(self, config)
 
     def forward(self, input_ids, cos, sin, kv_caches, meta, attention):
         """Returns (hidden, residual) [T, D]; their sum is the final residual stream."""
@@ -63,3 +67,8 @@ class DecoderLM(nn.Module):
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
+
+
+def _is_ternary(config: ModelConfig) -> bool:
+    quantization = config.raw.get("quantization_config") or {}
+    return quantization.get("quant_method") == "ternary"

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from noesis.ternary.bitlinear import packed_tensors, to_bitlinear
+from noesis.ternary.quant import quantization_config
 from noesis.tiny import data, tokenizer
 from noesis.tiny.harmony import CALL, ENDOFTEXT, RETURN, STARTOFTEXT
 from noesis.tiny.model import LlamaConfig, LlamaForCausalLM, count_parameters
@@ -81,6 +83,8 @@ class TrainConfig:
     compile: bool = False
     # No loss on assistant turns before the last user message (Example.history_spans).
     mask_history: bool = True
+    # BitLinear projections (noesis.ternary): ternary QAT, exported packed.
+    ternary: bool = False
 
 
 @dataclass
@@ -244,7 +248,9 @@ def _log(result: TrainResult, window: list[torch.Tensor], lr: float, began: floa
 # ---------------------------------------------------------------- export
 
 
-def export(model: LlamaForCausalLM, out: Path, data_dir: Path, dtype: torch.dtype) -> None:
+def export(
+    model: LlamaForCausalLM, out: Path, data_dir: Path, dtype: torch.dtype, ternary: bool = False
+) -> None:
     """config.json, generation_config.json, model.safetensors and the tokenizer files."""
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer.load(data_dir / data.TOKENIZER_DIR)
@@ -252,6 +258,8 @@ def export(model: LlamaForCausalLM, out: Path, data_dir: Path, dtype: torch.dtyp
     eos = [ids[RETURN], ids[CALL], ids[ENDOFTEXT]]
     hf_config = model.config.to_hf(ids[STARTOFTEXT], eos, ids[ENDOFTEXT])
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if ternary:
+        hf_config["quantization_config"] = quantization_config()
     _write_json(out / "config.json", hf_config)
     generation = {
         "bos_token_id": ids[STARTOFTEXT],
@@ -260,9 +268,11 @@ def export(model: LlamaForCausalLM, out: Path, data_dir: Path, dtype: torch.dtyp
         "do_sample": False,
     }
     _write_json(out / "generation_config.json", generation)
-    tensors = {
-        name: t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
-    }
+    if ternary:
+        tensors = packed_tensors(model, dtype)
+    else:
+        state = model.state_dict()
+        tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(data_dir / data.TOKENIZER_DIR / name, out / name)
@@ -316,11 +326,14 @@ def main(argv: list[str] | None = None) -> None:
     vocab = tokenizer.load(args.data / data.TOKENIZER_DIR).get_vocab_size()
     model_config = _sized(SIZES[config.size], vocab, config.seq_len)
     print(f"{config.size}: {count_parameters(model_config):,} parameters on {device}", flush=True)
-    model = LlamaForCausalLM(model_config).to(device)
+    model = LlamaForCausalLM(model_config)
+    if config.ternary:
+        to_bitlinear(model)
+    model = model.to(device)
     stream = data.TokenStream(args.data, "train", config.seq_len)
     heldout = data.TokenStream(args.data, "heldout", config.seq_len)
     result = train(model, stream, heldout, config, device)
-    export(model, args.out, args.data, torch.bfloat16)
+    export(model, args.out, args.data, torch.bfloat16, ternary=config.ternary)
     record = summary(config, model_config, result, args.data, device)
     _write_json(args.out / "training_summary.json", record)
     print(f"wrote {args.out} in {result.seconds:.0f}s of training", flush=True)
@@ -361,6 +374,9 @@ def _parser() -> argparse.ArgumentParser:
         value = getattr(defaults, name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument(
+        "--ternary", action="store_true", help="BitLinear (ternary QAT) projections, packed export"
+    )
     parser.add_argument(
         "--mask-history",
         action=argparse.BooleanOptionalAction,

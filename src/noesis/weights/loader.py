@@ -35,9 +35,14 @@ def load_weights(model: nn.Module, config: ModelConfig, model_dir: Path, progres
                 dest = params[name]
                 if rows is not None:
                     dest = dest.narrow(0, offset, rows)
+                if not dest.is_floating_point() and tensor.dtype != dest.dtype:
+                    raise CheckpointMismatch(f"{key}: dtype {tensor.dtype}, model {dest.dtype}")
                 dest.copy_(tensor)
                 bar.update(1)
     bar.close()
+    for name, module in model.named_modules():
+        if hasattr(module, "check_loaded"):  # modules with packed contents (ternary) check them
+            module.check_loaded(name)
 
 
 def _targets(params: dict[str, nn.Parameter], config: ModelConfig):
