@@ -52,9 +52,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        return self.backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
-
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -105,15 +102,8 @@ class IncrementalDetokenizer:
 
     def step(self, all_ids: list[int]) -> str:
         """Text added by the tokens past `read_offset`; empty while a character is incomplete."""
-        prefix, full = self.windows(all_ids)
-        return self.advance(all_ids, self._decode(prefix), self._decode(full))
-
-    def windows(self, all_ids: list[int]) -> tuple[list[int], list[int]]:
-        """The two token windows whose decoded difference is the new text."""
-        return all_ids[self.prefix_offset : self.read_offset], all_ids[self.prefix_offset :]
-
-    def advance(self, all_ids: list[int], prefix: str, full: str) -> str:
-        """Given the decoded windows, return the new text and move past it when it is whole."""
+        prefix = self._decode(all_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(all_ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(all_ids)
@@ -128,25 +118,6 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-
-def step_many(items: list[tuple[IncrementalDetokenizer, list[int]]]) -> list[str]:
-    """`step` for many streams at once: one batched decode per special-token setting instead of
-    two calls per stream (at 128 streams the per-call cost dominated the engine's host time)."""
-    texts: list[str] = [""] * len(items)
-    for skip in (True, False):
-        rows = [i for i, (detok, _) in enumerate(items) if detok.skip_special_tokens is skip]
-        if not rows:
-            continue
-        windows = []
-        for i in rows:
-            detok, ids = items[i]
-            windows.extend(detok.windows(ids))
-        decoded = items[rows[0]][0].tokenizer.decode_batch(windows, skip_special_tokens=skip)
-        for n, i in enumerate(rows):
-            detok, ids = items[i]
-            texts[i] = detok.advance(ids, decoded[2 * n], decoded[2 * n + 1])
-    return texts
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -110,3 +110,40 @@ def test_rope_write_kv_matches_reference(rotary_dim):
     assert torch.allclose(flat[0][slots], ref_k) and torch.allclose(flat[1][slots], ref_v)
     untouched = [s for s in range(16) if s not in slots.tolist()]
     assert flat[:, untouched].abs().sum() == 0
+
+
+def test_exponential_race_kernel_samples_what_the_torch_sampler_samples():
+    """Same noise hash, same race: the fused kernel picks the torch path's token in every row,
+    greedy rows (T = 0) and -inf (grammar-masked) entries included, across vocabulary chunks."""
+    from noesis.sampling.sampler import SamplingTensors, sample
+
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 6, 9000  # three 4096-wide chunks, the last one partial
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[2, ::3] = float("-inf")
+    temperature = torch.tensor([1.0, 0.7, 1.3, 0.0, 2.0, 1.0])
+    seeds = torch.tensor([1, 2**40 + 5, 77, 9, 2**62 + 11, 123456789])
+    steps = torch.tensor([0, 3, 17, 5, 1000, 2**33])
+    expected = sample(logits.clone(), SamplingTensors(
+        temperature=temperature, top_k=None, top_p=None, min_p=None, seeds=seeds, steps=steps,
+        all_greedy=False,
+    )).token_ids
+    got = triton_kernels.exponential_race(logits.to(DEVICE), temperature.to(DEVICE),
+                                          seeds.to(DEVICE), steps.to(DEVICE))
+    assert got.cpu().tolist() == expected.tolist()
+    assert got[3].item() == logits[3].argmax().item()
+
+
+def test_bitmask_kernel_matches_the_torch_unpacking():
+    from noesis.structured.bitmask import bitmask_width
+
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 3, 5000
+    words = torch.randint(-(2**31), 2**31 - 1, (rows, bitmask_width(vocab)), generator=gen,
+                          dtype=torch.int64).to(torch.int32)
+    words[1] = -1  # a row with no grammar: all allowed
+    logits = torch.randn(rows, vocab, generator=gen)
+    bits = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)
+    expected = logits.masked_fill(bits[:, :vocab] == 0, float("-inf"))
+    got = triton_kernels.apply_token_bitmask_(logits.clone().to(DEVICE), words.to(DEVICE))
+    assert torch.equal(got.cpu(), expected)

@@ -23,7 +23,7 @@ from noesis import (
     SamplingParams,
     UnsupportedModel,
 )
-from noesis.tokenizer import IncrementalDetokenizer, step_many
+from noesis.tokenizer import IncrementalDetokenizer
 
 SUPPORTED = [
     "LlamaForCausalLM",
@@ -330,26 +330,6 @@ def test_detokenizer_never_splits_a_character(checkpoints, prompt):
     assert deltas.count("") > 20  # it did wait inside characters
     merged = tokenizer.encode(text, add_special_tokens=False)
     assert "".join(feed(tokenizer, prompt_ids, merged)) == text
-
-
-def test_batched_detokenizer_steps_match_one_at_a_time(checkpoints):
-    """step_many (one batched decode for many streams) yields exactly what each stream's own
-    step() yields, with streams of both special-token settings and characters split in bytes."""
-    tokenizer = checkpoints.llm("llama").tokenizer
-    texts = ["café 日本語 🙂 done", TEXT[:80], "naïve 🙂🙂 end"]
-    streams = [[tokenizer.token_to_id(_byte_token(b)) for b in t.encode()] for t in texts]
-    streams.append(tokenizer.encode(TEXT[:60], add_special_tokens=False))
-    skips = [True, False, True, False]
-    solo = [IncrementalDetokenizer(tokenizer, [0], skip) for skip in skips]
-    batched = [IncrementalDetokenizer(tokenizer, [0], skip) for skip in skips]
-    ids = [[0] for _ in streams]
-    for position in range(max(map(len, streams))):
-        live = [i for i, s in enumerate(streams) if position < len(s)]
-        for i in live:
-            ids[i].append(streams[i][position])
-        expected = [solo[i].step(ids[i]) for i in live]
-        assert step_many([(batched[i], ids[i]) for i in live]) == expected
-    assert [d.read_offset for d in batched] == [d.read_offset for d in solo]
 
 
 def test_detokenizer_flushes_an_unfinished_character(checkpoints):

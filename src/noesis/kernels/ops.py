@@ -41,6 +41,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return weight * normed.to(dtype), x
 
 
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Grammar mask into the logits in place, one Triton kernel (CUDA only)."""
+    return _triton().apply_token_bitmask_(logits, bitmask)
+
+
+def exponential_race(logits, temperature, seeds, steps) -> torch.Tensor:
+    """The sampler's argmax(logits / T - log E) in one Triton kernel (CUDA only)."""
+    return _triton().exponential_race(logits, temperature, seeds, steps)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [T, 2I] laid out [gate | up]."""
     if use_triton(gate_up):

@@ -289,3 +289,93 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         ROT_HALF=rot_half, HALF_PAD=triton.next_power_of_2(rot_half),
         DIM_PAD=triton.next_power_of_2(head_dim), num_warps=1,
     )
+
+
+# ---- sampling: the exponential race, fused ------------------------------------------------------
+
+@triton.jit
+def _mix32(x):
+    # lowbias32 in int64 with explicit 32-bit masks, exactly as sampling/noise.py computes it.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_partial(
+    logits_ptr, temp_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, stride_l, num_chunks,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Best (score, index) of one vocabulary chunk of one row, score = logit / T - log(E) with
+    E = -log(u(seed, step, token)); a row with T == 0 scores the plain logit (greedy)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    temp = tl.load(temp_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    step = tl.load(step_ptr + row)
+    key = _mix32((seed & 0xFFFFFFFF) ^ _mix32(((seed >> 32) & 0xFFFFFFFF)
+                                            ^ _mix32(step & 0xFFFFFFFF)))
+    key2 = _mix32(key ^ 0x5BD1E995)
+    safe_temp = tl.where(temp == 0.0, 1.0, temp)
+    best_val = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.full((), 0, tl.int64)
+    for offset in range(0, CHUNK, BLOCK):
+        cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
+        ok = cols < V
+        logit = tl.load(logits_ptr + row * stride_l + cols, mask=ok, other=float("-inf"))
+        x = _mix32(((cols.to(tl.int64) * 0x9E3779B1) + key) & 0xFFFFFFFF)
+        x = _mix32(x ^ key2)
+        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        noisy = logit / safe_temp - tl.log(-tl.log(u))
+        score = tl.where(temp == 0.0, logit, noisy)
+        score = tl.where(ok, score, float("-inf"))
+        value = tl.max(score, axis=0)
+        index = tl.argmax(score, axis=0).to(tl.int64) + chunk * CHUNK + offset
+        better = value > best_val
+        best_idx = tl.where(better, index, best_idx)
+        best_val = tl.where(better, value, best_val)
+    tl.store(val_ptr + row * num_chunks + chunk, best_val)
+    tl.store(idx_ptr + row * num_chunks + chunk, best_idx)
+
+
+def exponential_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                     steps: torch.Tensor) -> torch.Tensor:
+    """Sampled ids [B] from logits [B, V] float32: argmax(logits / T - log E), E ~ Exp(1) from
+    the counter hash of (seed, step, token); T == 0 rows take the argmax. One kernel over
+    chunks of the vocabulary, then the best chunk per row (ties: the lowest index)."""
+    batch, vocab = logits.shape
+    chunk, block = 4096, 1024
+    num_chunks = triton.cdiv(vocab, chunk)
+    values = torch.empty(batch, num_chunks, device=logits.device, dtype=torch.float32)
+    index = torch.empty(batch, num_chunks, device=logits.device, dtype=torch.int64)
+    _race_partial[(batch, num_chunks)](
+        logits, temperature, seeds, steps, values, index, vocab, logits.stride(0), num_chunks,
+        CHUNK=chunk, BLOCK=block, num_warps=4,
+    )
+    best = values.argmax(dim=1, keepdim=True)
+    return index.gather(1, best)[:, 0]
+
+
+# ---- grammar masks ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _apply_bitmask(logits_ptr, mask_ptr, V, W, stride_l, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    words = tl.load(mask_ptr + row * W + cols // 32, mask=ok, other=-1)
+    allowed = ((words >> (cols % 32)) & 1) != 0
+    tl.store(logits_ptr + row * stride_l + cols, float("-inf"), mask=ok & ~allowed)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (in place) where bit t % 32 of bitmask [B, W] int32 word t // 32 is 0."""
+    batch, vocab = logits.shape
+    block = 2048
+    _apply_bitmask[(batch, triton.cdiv(vocab, block))](
+        logits, bitmask, vocab, bitmask.shape[1], logits.stride(0), BLOCK=block, num_warps=4
+    )
+    return logits

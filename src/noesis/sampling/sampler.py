@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from noesis.kernels import ops
 from noesis.sampling.noise import exponential
 
 
@@ -80,6 +81,10 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if t.top_k is None and t.top_p is None and t.min_p is None and ops.use_triton(logits):
+        # One fused kernel instead of ~20 elementwise passes over [B, V] (the noise hash alone
+        # is a dozen): ~1.4 ms less per step at batch 1 on a 128k vocabulary (H200).
+        return ops.exponential_race(logits, t.temperature, t.seeds, t.steps)
     greedy_rows = t.temperature == 0
     temperature = torch.where(greedy_rows, torch.ones_like(t.temperature), t.temperature)
     scaled = logits / temperature[:, None]

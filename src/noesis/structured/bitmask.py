@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import torch
 
+from noesis.kernels import ops
 from noesis.structured.llguidance_backend import LLGuidanceMatcher, check_bitmask
 from noesis.structured.matcher import GrammarMatcher
 
@@ -41,6 +42,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
             f"bitmask must be int32 [{batch}, {width}] for logits {tuple(logits.shape)}, "
             f"got {bitmask.dtype} {tuple(bitmask.shape)}"
         )
+    if ops.use_triton(logits):  # one kernel instead of unpacking [B, V] in four passes
+        return ops.apply_token_bitmask_(logits, bitmask)
     bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     # Arithmetic shift keeps bit 31 (the sign) readable like the others.
     forbidden = ((bitmask[:, :, None] >> bits) & 1).eq(0)  # [B, W, 32]
