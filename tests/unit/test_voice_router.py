@@ -69,8 +69,10 @@ def test_router_load_rejects_missing_and_mismatched_files(tmp_path: Path, router
 def test_routing_rules_pick_expert_tools_and_an_available_device():
     config = load_config()
     route = config.route("calculator", cuda_available=False)
-    assert (route.expert, route.device, route.tools) == ("noesis-tiny", "cpu", ("calculator",))
-    assert config.route("calculator", cuda_available=True).device == "cuda"
+    assert (route.expert, route.device, route.tools) == (
+        "noesis-tiny-ternary", "cpu", ("calculator",))
+    assert config.route("calculator", cuda_available=True).device == "cpu"  # the CPU kernel
+    assert config.route("writing", cuda_available=True).device == "cuda"
     assert config.route("greeting", cuda_available=True).expert == "noesis-tiny-draft"
     assert config.route("writing", cuda_available=False).tools == ()
     config.check_labels(tuple(corpus.GENERATORS))
