@@ -424,10 +424,10 @@ def test_dashboard_shows_every_actor_and_the_turn_stages():
     assert "first_audio" in lines[-2] and "hit rate 50%" in lines[-1]
 
 
-@pytest.mark.slow
 def test_wav_question_to_wav_answer_with_the_real_models(tmp_path):
     """Whole `noesis voice --in --out` turn: Piper speaks a question, Whisper hears it, the
-    router picks the calculator, the bundled model calls it, and Piper speaks the answer."""
+    router picks the calculator, the expert calls it, Piper speaks the answer, and Whisper hears
+    the right number in the answer's audio."""
     import json
 
     from noesis.voice import app
@@ -447,6 +447,11 @@ def test_wav_question_to_wav_answer_with_the_real_models(tmp_path):
     assert 0 < stages["asr_done"] < stages["first_token"] < stages["first_audio"]
     answer, rate = read_wav(tmp_path / "a.wav")
     assert rate == piper.sample_rate and len(answer) > rate  # over a second of speech
+    from noesis.voice.asr import WhisperRecognizer
+    from noesis.voice.audio import resample
+
+    heard = WhisperRecognizer().transcribe(resample(answer, rate, 16000), 16000).text
+    assert "391" in heard.replace(",", ""), heard
 
 
 def test_barge_in_aborts_the_real_engine_request():
