@@ -14,8 +14,17 @@ import triton.language as tl
 # ---- paged decode attention -------------------------------------------------------------------
 
 def partition_size(batch: int) -> int:
-    """Context tokens per split: small batches need many splits to fill the GPU."""
-    return 64 if batch <= 8 else 256
+    """Context tokens per split: small batches need many splits to fill the GPU; large ones
+    fill it anyway and pay for the splits in the reduce (8B heads, H200, tuned by
+    benchmarks/tune_paged_decode.py: batch 128 at 600 tokens 138 -> 123 us with 512)."""
+    if batch <= 8:
+        return 64
+    return 256 if batch <= 64 else 512
+
+
+def pipeline_stages(batch: int) -> int:
+    """Software-pipeline depth of the partial kernel's loop: 2 measured faster above batch 8."""
+    return 3 if batch <= 8 else 2
 
 
 @triton.jit(do_not_specialize=["window", "stride_tb", "stride_ob", "stride_lb"])
@@ -119,13 +128,16 @@ def paged_decode_attention(
     scale: float,
     max_ctx: int,
     window: int | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context. Returns [B, H, d]."""
+    """Attention of one query token per sequence over its paged context. Returns [B, H, d].
+    `tuning` overrides the launch (partition, block_n, num_warps, num_stages): benchmarks only."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert ctx_lens.stride(0) == 1 and q.stride(2) == 1 and k_cache.stride(3) == 1
     group = num_heads // num_kv_heads
-    partition = partition_size(batch)
+    tuning = tuning or {}
+    partition = tuning.get("partition") or partition_size(batch)
     max_splits = max(1, triton.cdiv(max_ctx, partition))
     part_out = torch.empty(batch, num_heads, max_splits, head_dim, device=q.device,
                            dtype=torch.float32)
@@ -141,9 +153,12 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=min(64 if dim_pad <= 128 else 32, partition),
+        DIM_PAD=dim_pad, PAGE_SIZE=page_size,
+        BLOCK_N=tuning.get("block_n") or min(64 if dim_pad <= 128 else 32, partition),
         PART=partition, HAS_WINDOW=window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tuning.get("num_warps", 4),
+        num_stages=tuning.get("num_stages") or pipeline_stages(batch),
     )
     _paged_decode_reduce[(batch, num_heads)](
         part_out, part_lse, ctx_lens, out,

@@ -1,0 +1,93 @@
+"""Launch parameters of the paged decode attention kernel, timed on shapes the engine meets
+(Llama-3.1-8B heads: 32 query / 8 KV heads of 128, 16-token pages): partition (context tokens per
+split), BLOCK_N, warps, pipeline stages. Prints microseconds and effective KV bandwidth.
+
+    python benchmarks/tune_paged_decode.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from noesis.kernels import triton_kernels
+
+HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
+CASES = [(1, 2048), (8, 1024), (64, 700), (128, 600)]  # (batch, context)
+MAX_CTX = 8192
+
+
+def setup(batch: int, ctx: int):
+    pages_per = -(-ctx // PAGE)
+    num_pages = batch * pages_per + 1
+    kv = torch.randn(2, num_pages, PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    order = torch.randperm(num_pages - 1, device="cuda") + 1
+    tables = torch.zeros(batch, -(-MAX_CTX // PAGE), dtype=torch.int64, device="cuda")
+    tables[:, :pages_per] = order[: batch * pages_per].view(batch, pages_per)
+    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
+    return q, kv, tables, lens
+
+
+def time_us(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def tune_case(batch: int, ctx: int, grid) -> dict:
+    q, kv, tables, lens = setup(batch, ctx)
+    kv_bytes = batch * ctx * KV_HEADS * DIM * 2 * 2
+
+    def run(tuning=None):
+        return triton_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, 0.088,
+                                                     MAX_CTX, tuning=tuning)
+
+    reference = run()
+    default = time_us(run)
+    best = (default, None)
+    for partition, block_n, warps, stages in grid:
+        if block_n > partition:
+            continue
+        tuning = {"partition": partition, "block_n": block_n, "num_warps": warps,
+                  "num_stages": stages}
+        try:
+            if (run(tuning).float() - reference.float()).abs().max().item() > 2e-2:
+                continue
+            us = time_us(lambda t=tuning: run(t))
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
+            print("skip", tuning, type(exc).__name__)
+            continue
+        if us < best[0]:
+            best = (us, tuning)
+    return {"batch": batch, "ctx": ctx, "default_us": default, "best_us": best[0],
+            "best": best[1], "default_TBps": kv_bytes / default / 1e6,
+            "best_TBps": kv_bytes / best[0] / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    grid = list(itertools.product((64, 128, 256, 512), (32, 64, 128), (4, 8), (2, 3)))
+    results = []
+    for batch, ctx in CASES:
+        row = tune_case(batch, ctx, grid)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
