@@ -82,3 +82,21 @@ def test_generate_turn_forces_a_named_tool_with_valid_arguments(llm):
     (call,) = turn.tool_calls
     assert call.name == "convert_units" and turn.finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.arguments), schemas["convert_units"])
+
+
+def test_a_failed_step_leaves_constrained_decoding_usable(llm, monkeypatch):
+    """A forward that raises mid-step (with a grammar mask being filled) must not wedge the
+    mask filler: the next constrained request still runs."""
+    grammar = GrammarSpec.lark('start: "yes" | "no"')
+    runner = llm.engine.runner
+    real = runner.forward_eager
+
+    def broken(plan):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(runner, "forward_eager", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(["Answer:"], SamplingParams(max_tokens=4, grammar=grammar))
+    monkeypatch.setattr(runner, "forward_eager", real)
+    out = llm.generate(["Answer:"], SamplingParams(max_tokens=4, grammar=grammar))[0]
+    assert out.text in ("yes", "no")

@@ -64,20 +64,23 @@ class ModelRunner:
         constrained = any(m is not None for m in matchers)
         if constrained:  # the masks fill on a CPU thread while the forward runs
             self._mask_filler().start(matchers)
-        if self.graphs is not None and self.graphs.can_replay(plan):
-            logits = self.graphs.replay(plan)
-            self.step_counts["graph"] += 1
-        else:
-            logits = self.forward_eager(plan)
-            self.step_counts["eager"] += 1
-        if constrained:
-            bitmask = self.masks.result(self.device)
-            if bitmask is not None:
-                apply_token_bitmask_(logits, bitmask)
+        try:
+            logits = self._forward(plan)
+        finally:  # collected even when the forward fails, so the next step can start a fill
+            bitmask = self.masks.result(self.device) if constrained else None
+        if bitmask is not None:
+            apply_token_bitmask_(logits, bitmask)
         if not sampling:
             return {}
         out = sample(logits, self.sampling_tensors(sampling))
         return self._to_host(out, sampling)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+        if self.graphs is not None and self.graphs.can_replay(plan):
+            self.step_counts["graph"] += 1
+            return self.graphs.replay(plan)
+        self.step_counts["eager"] += 1
+        return self.forward_eager(plan)
 
     def _mask_filler(self):
         if self.masks is None:
