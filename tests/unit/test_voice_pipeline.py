@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -422,6 +423,29 @@ def test_dashboard_shows_every_actor_and_the_turn_stages():
     assert names == ["mic", "vad", "asr", "router", "llm", "chunker", "tts", "player"]
     assert lines[-2].startswith("turn 0: ms after end of speech: asr_done")
     assert "first_audio" in lines[-2] and "hit rate 50%" in lines[-1]
+
+
+def test_dashboard_into_a_pipe_prints_one_plain_table_at_the_end():
+    import io
+
+    from noesis.voice.dashboard import Dashboard
+
+    answer, sink = FakeAnswer(["Five."]), RecordingSink()
+    audio = np.concatenate([silence(0.1), tone(0.3), silence(0.3)])
+    pipeline = Pipeline(voice_actors(AudioSource("mic", blocks_of(audio), RATE, False), answer,
+                                     sink))
+    out = io.StringIO()  # not a terminal
+
+    async def main():
+        view = asyncio.ensure_future(Dashboard(pipeline, out=out).run())
+        await pipeline.run(max_turns=1)
+        view.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await view
+
+    asyncio.run(main())
+    text = out.getvalue()
+    assert "\033" not in text and text.count("turn 0: ms after end of speech") == 1
 
 
 def test_wav_question_to_wav_answer_with_the_real_models(tmp_path):

@@ -64,16 +64,23 @@ class Dashboard:
         self._drawn = 0
 
     async def run(self) -> None:
+        # Not a terminal (a pipe, a log file): no redrawing, one table when the run ends.
+        live = self.out.isatty()
         try:
             while True:
-                self.draw()
+                if live:
+                    self.draw()
                 await asyncio.sleep(REFRESH_SECONDS)
-        finally:
+        finally:  # the run ends by cancelling this task
             self.draw()
 
     def draw(self) -> None:
         summary = self.pool.stats.summary() if self.pool is not None else None
         lines = render(self.pipeline, summary)
+        if not self.out.isatty():
+            self.out.write("".join(f"{line}\n" for line in lines))
+            self.out.flush()
+            return
         up = f"\033[{self._drawn}F" if self._drawn else ""
         self.out.write(up + "".join(f"\033[2K{line}\n" for line in lines))
         self.out.flush()
