@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -13,11 +14,12 @@ from tqdm.auto import tqdm
 from noesis.engine.engine import Engine, EngineConfig
 from noesis.engine.outputs import RequestOutput
 from noesis.errors import InvalidRequest
+from noesis.harmony.parser import parse_completion
 from noesis.sampling.params import SamplingParams
 from noesis.session import AssistantTurn, Session
 from noesis.session import ToolCall as SessionToolCall
 from noesis.tools import ToolExecutor
-from noesis.turns import harmony_encoding, parse_turn, turn_params
+from noesis.turns import harmony_encoding, turn_params
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -90,7 +92,7 @@ class LLM:
         arguments valid for the tool's JSON schema, the final free of tool syntax, the final in
         `response_format` when given. `deterministic` means greedy with seed 0. Setting `cancel`
         aborts the generation (finish_reason "cancelled")."""
-        encoding = self._harmony()
+        encoding = self.harmony
         if encoding is None:
             raise InvalidRequest("generate_turn needs a Harmony model (this tokenizer has no "
                                  "<|start|>/<|channel|>/<|message|> tokens); use chat() instead")
@@ -100,7 +102,7 @@ class LLM:
         prompt = self.render_chat(messages, tools)
         turn = turn_params(base, encoding, tools, tool_choice, response_format, constrained)
         out = self._run_one(prompt, turn, cancel)
-        parsed = parse_turn(encoding, out.token_ids)
+        parsed = parse_completion(encoding, out.token_ids)
         calls = [SessionToolCall(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments)
                  for c in parsed.tool_calls]
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
@@ -115,10 +117,10 @@ class LLM:
                             if k in options}
         return Session(self, executor=ToolExecutor(**executor_options), **options)
 
-    def _harmony(self):
-        if not hasattr(self, "_harmony_encoding"):
-            self._harmony_encoding = harmony_encoding(self.tokenizer)
-        return self._harmony_encoding
+    @functools.cached_property
+    def harmony(self):
+        """The tokenizer's Harmony encoding (None: the model has no Harmony tokens)."""
+        return harmony_encoding(self.tokenizer)
 
     def _run_one(self, prompt: list[int], params: SamplingParams, cancel) -> RequestOutput:
         request_id = self.engine.add_request(prompt, params, stream=False)

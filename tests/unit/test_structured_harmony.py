@@ -232,3 +232,25 @@ def test_turn_grammar_on_the_o200k_harmony_vocabulary():
         token_ids = encoding.encode(text, allowed_special="all")
         accepted = all(matcher.accept_token(t) for t in token_ids) and matcher.is_accepting()
         assert accepted == expected, text
+
+
+def test_response_format_is_read_once_for_every_path():
+    from noesis.structured.harmony_grammar import response_format_schema
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert response_format_schema(None) is None
+    assert response_format_schema({"type": "text"}) is None
+    assert response_format_schema({"type": "json_object"}) == {"type": "object"}
+    wrapped = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert response_format_schema(wrapped) == schema
+    as_text = {"type": "json_schema", "json_schema": {"schema": '{"type": "object"}'}}
+    assert response_format_schema(as_text) == {"type": "object"}
+    for bad, message in [
+        ({}, "with a 'type'"),
+        ({"type": "yaml"}, "response_format type must be"),
+        ({"type": "json_schema"}, "needs"),
+        ({"type": "json_schema", "json_schema": {"schema": "{oops"}}, "not valid JSON"),
+        ({"type": "json_schema", "json_schema": {"schema": [1]}}, "must be a JSON object"),
+    ]:
+        with pytest.raises(GrammarError, match=message):
+            response_format_schema(bad)

@@ -115,7 +115,7 @@ class HarmonyChatFormat(ChatFormat):
 
     def choice(self, reply: Reply, index: int, out: RequestOutput) -> dict:
         turn = parse_completion(self.encoding, out.token_ids)
-        calls = [_call_json(c.name, c.arguments, i) for i, c in enumerate(turn.tool_calls)]
+        calls = [_call_json(c.name, c.arguments) for c in turn.tool_calls]
         message: dict = {"role": "assistant", "content": turn.final}
         if turn.analysis:
             message["reasoning_content"] = turn.analysis
@@ -149,8 +149,8 @@ class HarmonyChatFormat(ChatFormat):
         if isinstance(event, MessageStart):
             self.recipients[index] = _function(event.recipient)
             if self.recipients[index] is not None:
-                call = _call_json(self.recipients[index], "", self.num_calls[index])
-                delta.setdefault("tool_calls", []).append(call)
+                call = _call_json(self.recipients[index], "")
+                delta.setdefault("tool_calls", []).append({"index": self.num_calls[index], **call})
                 self.num_calls[index] += 1
         elif isinstance(event, ContentDelta):
             if self.recipients[index] is not None:
@@ -171,8 +171,8 @@ def _function(recipient: str | None) -> str | None:
     return recipient.removeprefix("functions.")
 
 
-def _call_json(name: str, arguments: str, index: int) -> dict:
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def _call_json(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 

@@ -113,19 +113,38 @@ def _named_choice(tool_choice: dict[str, Any]) -> str:
 
 
 def _final_body(response_format: dict[str, Any] | None) -> str:
-    kind = None if response_format is None else response_format.get("type")
-    if kind in (None, "text"):
-        return "FINAL_TEXT"
+    schema = response_format_schema(response_format)
+    return "FINAL_TEXT" if schema is None else "%json " + _compact(schema)
+
+
+def response_format_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI `response_format` -> the JSON schema the reply must match (None: free text).
+    A schema sent as JSON text is parsed; anything malformed is a GrammarError (a 400)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or "type" not in response_format:
+        raise GrammarError("response_format must be an object with a 'type'")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
     if kind == "json_object":
-        return "%json " + _compact(_ANY_OBJECT)
-    if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise GrammarError("response_format json_schema needs json_schema.schema (an object)")
-        return "%json " + _compact(schema)
-    raise GrammarError(
-        f"response_format type must be text, json_object or json_schema, got {kind!r}"
-    )
+        return _ANY_OBJECT
+    if kind != "json_schema":
+        raise GrammarError(
+            f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+        )
+    wrapper = response_format.get("json_schema")
+    if not isinstance(wrapper, dict) or "schema" not in wrapper:
+        raise GrammarError("response_format json_schema needs {'json_schema': {'schema': {...}}}")
+    schema = wrapper["schema"]
+    if isinstance(schema, str):  # some clients send the schema as JSON text
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"response_format schema is not valid JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise GrammarError("response_format json_schema.schema must be a JSON object")
+    return schema
 
 
 def _call_rule(rule: str, name: str, parameters: dict[str, Any]) -> str:
