@@ -62,3 +62,17 @@ class Checkpoints:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A few hundred corpus items, tokenized: the training tests' data, built once."""
+    from noesis.tiny import data
+
+    directory = tmp_path_factory.mktemp("tiny-data")
+    config = data.DataConfig(
+        seed=3, train_items=240, heldout_items=40, tokenizer_items=240, vocab_size=600,
+        chunk_items=100,
+    )
+    data.build(directory, config, workers=1)
+    return directory

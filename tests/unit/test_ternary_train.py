@@ -63,18 +63,8 @@ def test_export_packs_only_the_projections():
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("ternary-data")
-    config = data.DataConfig(
-        seed=5,
-        train_items=240,
-        heldout_items=40,
-        tokenizer_items=240,
-        vocab_size=600,
-        chunk_items=100,
-    )
-    data.build(directory, config, workers=1)
-    return directory
+def data_dir(tiny_data_dir):
+    return tiny_data_dir
 
 
 @pytest.fixture(scope="module")

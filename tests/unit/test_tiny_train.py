@@ -11,18 +11,8 @@ from noesis.tiny.model import LlamaConfig, LlamaForCausalLM, count_parameters
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-data")
-    config = data.DataConfig(
-        seed=3,
-        train_items=240,
-        heldout_items=40,
-        tokenizer_items=240,
-        vocab_size=600,
-        chunk_items=100,
-    )
-    data.build(directory, config, workers=1)
-    return directory
+def data_dir(tiny_data_dir):
+    return tiny_data_dir
 
 
 def _trained(data_dir, steps: int = 4) -> LlamaForCausalLM:
