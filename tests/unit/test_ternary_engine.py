@@ -115,46 +115,43 @@ def test_projections_are_packed_in_memory(ternary_pair):
     assert not isinstance(model.model.embed_tokens, TernaryLinear)
 
 
-def test_wrong_shape_packed_tensor_is_named(checkpoints, tmp_path):
+def _cut_last_byte_column(t):
+    return t[:, :-1].contiguous()
+
+
+def _set_code_3(t):
+    t = t.clone()
+    t[3, 2] = 0b11_00_01_10  # code 3 in the top field
+    return t
+
+
+def _negate_first(t):
+    t = t.clone()
+    t[0] = -1.0
+    return t
+
+
+@pytest.mark.parametrize(
+    ("key", "corrupt", "error", "match"),
+    [  # each corrupt tensor is refused at load, by name
+        ("model.layers.1.mlp.down_proj.weight_packed", _cut_last_byte_column,
+         CheckpointMismatch, "down_proj.weight_packed"),
+        ("model.layers.0.self_attn.k_proj.weight_packed", lambda t: t.to(torch.int16),
+         CheckpointMismatch, "k_proj.weight_packed.*int16"),
+        ("model.layers.0.self_attn.v_proj.weight_packed", _set_code_3,
+         TernaryFormatError, "qkv_proj.weight_packed.*code 3"),
+        ("model.layers.1.mlp.up_proj.weight_scale", _negate_first,
+         TernaryFormatError, "gate_up_proj.weight_scale"),
+    ],
+)
+def test_corrupt_packed_checkpoints_are_refused(checkpoints, tmp_path, key, corrupt, error,
+                                                match):
     out = tmp_path / "bad"
     make_ternary(checkpoints.path("llama"), out)
     tensors = load_file(out / "model.safetensors")
-    key = "model.layers.1.mlp.down_proj.weight_packed"
-    tensors[key] = tensors[key][:, :-1].contiguous()
+    tensors[key] = corrupt(tensors[key])
     save_file(tensors, out / "model.safetensors")
-    with pytest.raises(CheckpointMismatch, match="down_proj.weight_packed"):
-        LLM(str(out), device="cpu", dtype="float32", progress=False)
-
-
-def test_packed_tensor_of_wrong_dtype_is_rejected(checkpoints, tmp_path):
-    out = tmp_path / "bad"
-    make_ternary(checkpoints.path("llama"), out)
-    tensors = load_file(out / "model.safetensors")
-    key = "model.layers.0.self_attn.k_proj.weight_packed"
-    tensors[key] = tensors[key].to(torch.int16)
-    save_file(tensors, out / "model.safetensors")
-    with pytest.raises(CheckpointMismatch, match="k_proj.weight_packed.*int16"):
-        LLM(str(out), device="cpu", dtype="float32", progress=False)
-
-
-def test_invalid_code_is_a_format_error(checkpoints, tmp_path):
-    out = tmp_path / "bad"
-    make_ternary(checkpoints.path("llama"), out)
-    tensors = load_file(out / "model.safetensors")
-    key = "model.layers.0.self_attn.v_proj.weight_packed"
-    tensors[key][3, 2] = 0b11_00_01_10  # code 3 in the top field
-    save_file(tensors, out / "model.safetensors")
-    with pytest.raises(TernaryFormatError, match="qkv_proj.weight_packed.*code 3"):
-        LLM(str(out), device="cpu", dtype="float32", progress=False)
-
-
-def test_negative_scale_is_a_format_error(checkpoints, tmp_path):
-    out = tmp_path / "bad"
-    make_ternary(checkpoints.path("llama"), out)
-    tensors = load_file(out / "model.safetensors")
-    tensors["model.layers.1.mlp.up_proj.weight_scale"][0] = -1.0
-    save_file(tensors, out / "model.safetensors")
-    with pytest.raises(TernaryFormatError, match="gate_up_proj.weight_scale"):
+    with pytest.raises(error, match=match):
         LLM(str(out), device="cpu", dtype="float32", progress=False)
 
 
