@@ -27,17 +27,23 @@ def profile(llm, batch: int, new: int) -> None:
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         llm.generate(prompts, params)
+    totals = kernel_totals(prof)
+    steps = new
+    total = sum(v[0] for v in totals.values())
+    print(f"\nbatch {batch}: {total / steps / 1e3:.3f} ms GPU per step (prefill included)")
+    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"  {us / steps:9.1f} us/step {count // steps:5d}x  {name}")
+
+
+def kernel_totals(prof) -> dict[str, list[float]]:
+    """Kernel name -> [GPU microseconds, launches] over a profiler run."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             entry = totals[event.name[:90]]
             entry[0] += event.device_time_total
             entry[1] += 1
-    steps = new
-    total = sum(v[0] for v in totals.values())
-    print(f"\nbatch {batch}: {total / steps / 1e3:.3f} ms GPU per step (prefill included)")
-    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:14]:
-        print(f"  {us / steps:9.1f} us/step {count // steps:5d}x  {name}")
+    return totals
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import time
 from collections import defaultdict
 
 import torch
+from profile_decode import kernel_totals  # benchmarks/ is on sys.path when run as a script
 
 
 def fill(engine, batch: int, prompt_len: int, rng: random.Random, params) -> None:
@@ -46,12 +47,7 @@ def kernel_table(engine, rng, prompt_len: int, params) -> None:
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[event.name[:80]]
-            entry[0] += event.device_time_total
-            entry[1] += 1
+    totals = kernel_totals(prof)
     total = sum(v[0] for v in totals.values())
     print(f"mixed step GPU total {total / 1e3:.2f} ms")
     for name, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:18]:
