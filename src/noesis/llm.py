@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ from noesis.sampling.params import SamplingParams
 from noesis.session import AssistantTurn, Session
 from noesis.session import ToolCall as SessionToolCall
 from noesis.tools import ToolExecutor
-from noesis.turns import harmony_encoding, turn_params
+from noesis.turns import harmony_encoding, new_call_id, turn_params
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -101,10 +100,9 @@ class LLM:
             base = dataclasses.replace(base, temperature=0.0, seed=0)
         prompt = self.render_chat(messages, tools)
         turn = turn_params(base, encoding, tools, tool_choice, response_format, constrained)
-        out = self._run_one(prompt, turn, cancel)
+        (out,) = self._run_to_completion(self._add_all([prompt], [turn]), False, cancel)
         parsed = parse_completion(encoding, out.token_ids)
-        calls = [SessionToolCall(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments)
-                 for c in parsed.tool_calls]
+        calls = [SessionToolCall(new_call_id(), c.name, c.arguments) for c in parsed.tool_calls]
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         return AssistantTurn(parsed.analysis, calls, parsed.final, len(prompt),
                              len(out.token_ids), "cancelled" if finish == "abort" else finish)
@@ -121,19 +119,6 @@ class LLM:
     def harmony(self):
         """The tokenizer's Harmony encoding (None: the model has no Harmony tokens)."""
         return harmony_encoding(self.tokenizer)
-
-    def _run_one(self, prompt: list[int], params: SamplingParams, cancel) -> RequestOutput:
-        request_id = self.engine.add_request(prompt, params, stream=False)
-        try:
-            while True:
-                if cancel is not None and cancel.is_set():
-                    return self.engine.abort(request_id)
-                for out in self.engine.step():
-                    if out.request_id == request_id and out.finished:
-                        return out
-        except BaseException:
-            self.engine.abort(request_id)
-            raise
 
     def render_chat(
         self,
@@ -179,12 +164,20 @@ class LLM:
             raise
         return ids
 
-    def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_to_completion(
+        self, ids: list[str], use_tqdm: bool, cancel: threading.Event | None = None
+    ) -> list[RequestOutput]:
+        """Step until every request finishes; once `cancel` is set, the rest are aborted (their
+        outputs say "abort")."""
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         try:
             while len(results) < len(ids):
+                if cancel is not None and cancel.is_set():
+                    for request_id in wanted - results.keys():
+                        results[request_id] = self.engine.abort(request_id)
+                    break
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out

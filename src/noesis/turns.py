@@ -9,6 +9,7 @@ whole reply and no tool calls.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Any
 
 from noesis.errors import InvalidRequest
@@ -26,6 +27,11 @@ def harmony_encoding(tokenizer) -> HarmonyEncoding | None:
         return HarmonyEncoding.from_tokenizer(tokenizer)
     except UnsupportedTokenizer:
         return None
+
+
+def new_call_id() -> str:
+    """A tool call's id, in OpenAI's shape."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def response_format_spec(response_format: dict[str, Any] | None) -> GrammarSpec | None:

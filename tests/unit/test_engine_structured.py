@@ -100,3 +100,13 @@ def test_a_failed_step_leaves_constrained_decoding_usable(llm, monkeypatch):
     monkeypatch.setattr(runner, "forward_eager", real)
     out = llm.generate(["Answer:"], SamplingParams(max_tokens=4, grammar=grammar))[0]
     assert out.text in ("yes", "no")
+
+
+def test_a_cancelled_turn_is_aborted_and_says_so(llm):
+    import threading
+
+    cancel = threading.Event()
+    cancel.set()
+    turn = llm.generate_turn([{"role": "user", "content": "Hello!"}], cancel=cancel)
+    assert turn.finish_reason == "cancelled" and turn.completion_tokens == 0
+    assert not llm.engine.has_unfinished()

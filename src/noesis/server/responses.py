@@ -21,6 +21,7 @@ from noesis.harmony.parser import ContentDelta, HarmonyStreamParser, MessageStar
 from noesis.server.errors import from_exception
 from noesis.server.generation import Generation
 from noesis.tokenizer import Tokenizer
+from noesis.turns import new_call_id
 
 DONE = b"data: [DONE]\n\n"
 # ASCII-only JSON: no U+2028, NEL or other code point that a line splitter might break on
@@ -172,7 +173,7 @@ def _function(recipient: str | None) -> str | None:
 
 
 def _call_json(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": new_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
