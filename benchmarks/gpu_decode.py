@@ -75,6 +75,9 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
     ttft2048 = statistics.median(run([p2048], 1) for _ in range(3))
     total = statistics.median(run([p128], NEW_TOKENS) for _ in range(3))
     step_s = (total - ttft128) / (NEW_TOKENS - 1)
+    engine.overlap = False  # the same, every step read back before the next is planned
+    total_sync = statistics.median(run([p128], NEW_TOKENS) for _ in range(3))
+    engine.overlap = True
     gpu_step_s = graph_step_seconds(engine)
     result = {
         "weight_bytes": weight_bytes,
@@ -82,6 +85,7 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
         "capture_s": engine.timings["capture_s"],
         "ttft_128_ms": ttft128 * 1e3, "ttft_2048_ms": ttft2048 * 1e3,
         "decode_tok_s": 1 / step_s, "step_ms": step_s * 1e3,
+        "decode_tok_s_sync": (NEW_TOKENS - 1) / (total_sync - ttft128),
         "gpu_step_ms": gpu_step_s * 1e3, "host_overhead_ms": (step_s - gpu_step_s) * 1e3,
         "roofline_tok_s": bandwidth / weight_bytes,
         "buckets": bucket_profile(engine),
@@ -95,12 +99,16 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
         full = run(prompts, NEW_TOKENS)
         graph_steps = engine.runner.step_counts["graph"] - counts["graph"]
         eager_steps = engine.runner.step_counts["eager"] - counts["eager"]
+        engine.overlap = False
+        full_sync = run(prompts, NEW_TOKENS)
+        engine.overlap = True
         decode_tok_s = batch * (NEW_TOKENS - 1) / (full - first)
         avg_ctx = 128 + NEW_TOKENS / 2
         step_bytes = weight_bytes + batch * avg_ctx * kv_per_token
         roofline = batch * bandwidth / step_bytes
         result["batches"][batch] = {
             "total_tok_s": batch * NEW_TOKENS / full, "decode_tok_s": decode_tok_s,
+            "decode_tok_s_sync": batch * (NEW_TOKENS - 1) / (full_sync - first),
             "roofline_tok_s": roofline, "share_of_roofline": decode_tok_s / roofline,
             "graph_steps": graph_steps, "eager_steps": eager_steps,
         }
@@ -254,14 +262,16 @@ def print_table(report: dict) -> None:
         n = entry["noesis"]
         print(f"{'':<10}noesis step: {n['step_ms']:.3f} ms = GPU {n['gpu_step_ms']:.3f} + host "
               f"{n['host_overhead_ms']:.3f}; load {n['load_s']:.1f}s, "
-              f"capture {n['capture_s']:.1f}s")
+              f"capture {n['capture_s']:.1f}s; without overlapped steps "
+              f"{n['decode_tok_s_sync']:.1f} tok/s")
         buckets = n.get("buckets", {})
         print(f"{'':<10}graph replay ms by bucket: " + ", ".join(
             f"{b}: {v['replay_ms']:.2f}+{v['greedy_sample_ms']:.2f}" for b, v in buckets.items()))
         for batch, b in n["batches"].items():
             print(f"{'':<10}batch {batch:>3}: decode {b['decode_tok_s']:>8.0f} tok/s "
                   f"({b['share_of_roofline']:.0%} of {b['roofline_tok_s']:.0f}), "
-                  f"end-to-end {b['total_tok_s']:.0f} tok/s, steps graph/eager "
+                  f"end-to-end {b['total_tok_s']:.0f} tok/s, without overlap "
+                  f"{b['decode_tok_s_sync']:.0f}, steps graph/eager "
                   f"{b.get('graph_steps', '?')}/{b.get('eager_steps', '?')}")
 
 

@@ -78,6 +78,7 @@ def start_server(args: argparse.Namespace, *extra: str) -> tuple[subprocess.Pope
         str(args.max_num_seqs),
         "--max-queue",
         "1024",
+        *(["--no-overlap-steps"] if args.no_overlap else []),
         *extra,
     ]
     process = subprocess.Popen(command, stdout=sys.stderr, stderr=sys.stderr)
@@ -425,6 +426,7 @@ def engine_only(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=True,
         progress=False,
+        overlap_steps=False if args.no_overlap else None,
     )
     engine = Engine(args.model, config)
     run_engine_level(engine, args, 1, random.Random(-1))  # warm-up
@@ -497,6 +499,8 @@ def parse_args() -> argparse.Namespace:
         help="run the same load on an Engine in this process instead (the server's ceiling)",
     )
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="read every engine step back before planning the next")
     parser.add_argument(
         "--concurrency", default="1,8,32,64,128", type=lambda s: [int(c) for c in s.split(",")]
     )

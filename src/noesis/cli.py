@@ -145,6 +145,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--no-prefix-caching", dest="prefix_caching", action="store_false",
         help="do not reuse KV pages of shared prompt prefixes",
     )
+    eng.add_argument(
+        "--no-overlap-steps", dest="overlap_steps", action="store_false", default=None,
+        help="read every step back before planning the next (default on CUDA: plan and launch "
+        "the next step while the device runs this one)",
+    )
 
 
 def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
@@ -322,7 +327,7 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, seed=args.seed,
-        enable_prefix_caching=args.prefix_caching,
+        enable_prefix_caching=args.prefix_caching, overlap_steps=args.overlap_steps,
     )
     config = ServeConfig(
         model=_model_arg(args), engine=engine, served_model_name=args.served_model_name,

@@ -140,3 +140,38 @@ def test_seeded_sampling_independent_of_batch(checkpoint):
         [PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]], [others, params, others, others]
     )[1].token_ids
     assert alone == mixed
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_overlapped_steps_equal_synchronous(checkpoint, graphs):
+    """On CUDA the next step is launched before the last one is read back (its pending tokens
+    gathered on the device, inside the graph inputs or the eager ones): same tokens, logprobs
+    and finish reasons as the synchronous loop, with stops found one step late."""
+    from noesis import SamplingParams
+
+    overlapped = make_llm(checkpoint, cuda_graphs=graphs)
+    synchronous = make_llm(checkpoint, cuda_graphs=graphs, overlap_steps=False)
+    assert overlapped.engine.overlap and not synchronous.engine.overlap
+    free = synchronous.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=30,
+                                                              ignore_eos=True))[0]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[free.token_ids[9]],
+                       logprobs=2),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=26, seed=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=40, seed=9, ignore_eos=True, logprobs=0),
+    ]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    got = overlapped.generate(prompts, params)
+    want = synchronous.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert got[0].finish_reason == "stop"
+    for a, b in zip(got, want, strict=True):
+        if b.logprobs is not None:
+            for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t] - lb[t]) < 1e-3 for t in la)
+    engine = overlapped.engine
+    assert not engine.has_unfinished()
+    assert engine.allocator.num_free == engine.allocator.num_pages

@@ -91,7 +91,7 @@ def test_a_failed_step_leaves_constrained_decoding_usable(llm, monkeypatch):
     runner = llm.engine.runner
     real = runner.forward_eager
 
-    def broken(plan):
+    def broken(plan, previous=None):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(runner, "forward_eager", broken)

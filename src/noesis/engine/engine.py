@@ -19,7 +19,7 @@ from noesis.kv.allocator import PageAllocator
 from noesis.kv.cache import KVPool, page_bytes
 from noesis.kv.prefix_cache import PrefixCache
 from noesis.models.rope import RotaryEmbedding
-from noesis.runner.runner import ModelRunner
+from noesis.runner.runner import LaunchedStep, ModelRunner
 from noesis.sampling.params import SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
 
@@ -42,6 +42,9 @@ class EngineConfig:
     max_graph_batch: int | None = None  # largest captured batch (default: min(max_num_seqs, 128))
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     enable_prefix_caching: bool = False  # reuse KV pages of full-page prefixes across requests
+    # Plan and launch the next step while the device still runs this one (default: on CUDA).
+    # Steps whose sequences need their last token on the host (grammars, penalties) wait.
+    overlap_steps: bool | None = None
     revision: str | None = None
     progress: bool = True
 
@@ -83,6 +86,10 @@ class Engine:
         if self.device.type == "cuda" and config.cuda_graphs:
             max_batch = config.max_graph_batch or min(config.max_num_seqs, 128)
             self.timings["capture_s"] = self.runner.capture_graphs(max_batch)
+        self.overlap = config.overlap_steps if config.overlap_steps is not None else (
+            self.device.type == "cuda"
+        )
+        self._inflight: LaunchedStep | None = None  # launched, not read back (overlap mode)
         self._grammars = None  # GrammarCompiler, built on the first constrained request
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -213,23 +220,50 @@ class Engine:
         return [out for out in map(self.abort, list(self._requests)) if out is not None]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns outputs of the requests that advanced or finished."""
+        """Run one engine step; returns outputs of the requests that advanced or finished.
+
+        With overlapped steps the step planned here is launched before the previous one is read
+        back, so the host's work (planning, input preparation, detokenizing, outputs) runs
+        while the device computes; the outputs returned are the previous step's. A sequence
+        that turns out to have stopped was planned one token too far: that token is dropped."""
+        previous = self._inflight
+        if previous is not None and not self._can_overlap(previous):
+            self._inflight = None
+            return self._complete(previous)
         plan = self.scheduler.schedule()
-        if not plan:
-            return []
-        sampled = self.runner.run(plan)
-        self.scheduler.update(plan, {sid: tok.token_id for sid, tok in sampled.items()})
+        launched = None
+        if plan:
+            launched = self.runner.launch(plan, previous)
+            self.scheduler.advance(plan)
+        self._inflight = None
+        outputs = self._complete(previous) if previous is not None else []
+        if launched is not None:
+            if self.overlap:
+                self._inflight = launched
+            else:
+                outputs = self._complete(launched)
+        return outputs
+
+    @staticmethod
+    def _can_overlap(previous: LaunchedStep) -> bool:
+        """Whether the next step can be planned before `previous` is read back: not when one of
+        its sequences needs the sampled token on the host to go on (its grammar state, its
+        penalty counts)."""
+        return not any(seq.matcher is not None or seq.params.needs_penalties
+                       for seq in previous.seqs if not seq.finished)
+
+    def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step back and turn it into request outputs."""
+        plan = launched.plan
+        sampled = self.runner.fetch(launched)
+        took = self.scheduler.resolve(plan, {sid: tok.token_id for sid, tok in sampled.items()})
         self._advance_grammars(plan, sampled)
-        advanced = [
-            self._requests[item.seq.request_id]
-            for item in plan.scheduled
-            if item.seq.seq_id in sampled
-        ]
+        advanced = [self._requests[seq.request_id] for seq in took]
         for state in advanced:
             if state.logprobs is not None:
                 state.logprobs.append(sampled[state.seq.seq_id].logprobs)

@@ -57,7 +57,7 @@ class RequestState:
         """Everything so far, or (delta mode) what is new since the last output: no output
         copies the prompt, and a delta copies only its own tokens."""
         seq = self.seq
-        chars, tokens = self.visible_len(), seq.num_output
+        chars, tokens = self.visible_len(), len(seq.token_ids) - seq.prompt_len  # pending ones not
         start_chars, start_tokens = (self.sent_chars, self.sent_tokens) if self.delta else (0, 0)
         self.sent_chars, self.sent_tokens = max(self.sent_chars, chars), tokens
         return RequestOutput(

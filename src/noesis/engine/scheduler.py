@@ -36,7 +36,7 @@ class ScheduledSeq:
     samples: bool = field(init=False)  # the step reaches the last known token: sample a new one
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+        self.samples = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -90,6 +90,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.num_tokens >= seq.max_len:  # its pending last token ends it: nothing to run
+                index += 1
+                continue
             num_tokens = min(seq.num_uncomputed, budget)
             if not self._reserve_or_preempt(seq, num_tokens, plan):
                 break  # seq itself was preempted; everything after it already was
@@ -113,6 +116,8 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted while its last step ran: admit once it is read back
+                break
             if self.prefix_cache is not None:
                 self.prefix_cache.attach(seq)
             num_tokens = min(seq.num_uncomputed, budget)
@@ -146,26 +151,42 @@ class Scheduler:
         seq.num_cached_pages = 0
 
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a finished step: advance progress, append sampled tokens, finish what stops.
+        """Record a finished step: `advance` and `resolve` at once (the synchronous loop).
+        Returns the sequences that finished this step."""
+        self.advance(plan)
+        return [seq for seq in self.resolve(plan, sampled) if seq.finished]
 
-        `sampled` maps seq_id -> new token for every scheduled sequence whose `samples` was true.
-        Returns the sequences that finished this step.
-        """
-        finished = []
+    def advance(self, plan: StepPlan) -> None:
+        """A step was launched: its tokens count as computed, and each sampling sequence owes
+        one pending token, so the next step can be planned before this one is read back."""
+        for item in plan.scheduled:
+            item.seq.num_computed += item.num_tokens
+            if item.samples:
+                item.seq.num_pending += 1
+
+    def resolve(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+        """A launched step was read back: append the sampled tokens, cache filled pages, finish
+        what stops. `sampled` maps seq_id -> new token for every scheduled sequence whose
+        `samples` was true. Sequences finished meanwhile (a stop found while this step ran, an
+        abort) are skipped: their token is dropped. Returns the sequences that took a token,
+        in plan order (finished ones among them)."""
+        took = []
         for item in plan.scheduled:
             seq = item.seq
-            seq.num_computed += item.num_tokens
+            if seq.finished:
+                continue
+            if item.samples:
+                seq.token_ids.append(sampled[seq.seq_id])
+                seq.num_pending -= 1
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(seq)
-            if seq.seq_id not in sampled:
+            if not item.samples:
                 continue
-            token = sampled[seq.seq_id]
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
+            took.append(seq)
+            reason = self._stop_reason(seq, seq.token_ids[-1])
             if reason is not None:
                 self.finish(seq, reason)
-                finished.append(seq)
-        return finished
+        return took
 
     @staticmethod
     def _stop_reason(seq: Sequence, token: int) -> FinishReason | None:
@@ -185,5 +206,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.free(reversed(seq.pages))
         seq.pages = []
+        seq.num_pending = 0  # a step still running for it is dropped when read back
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

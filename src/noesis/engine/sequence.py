@@ -41,10 +41,19 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full pages
     num_cached_pages: int = 0  # leading pages taken from or given to the prefix cache
     matcher: GrammarMatcher | None = None  # the request's grammar state, fed each sampled token
+    # Tokens sampled by steps still running on the device (overlapped scheduling): they count
+    # towards the length and progress, and join `token_ids` when their step is read back.
+    num_pending: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known or being sampled: `token_ids` plus the pending ones."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        """Output tokens known, pending ones included (the seeded sampler's step counter)."""
+        return self.num_tokens - self.prompt_len
 
     @property
     def output_ids(self) -> list[int]:
@@ -52,7 +61,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def finished(self) -> bool:

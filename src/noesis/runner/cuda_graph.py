@@ -3,7 +3,10 @@
 It owns the buckets, the static input buffers the graphs read, the shared memory pool, and the
 capture. A step replays when every scheduled sequence decodes one token and the batch fits the
 largest bucket; everything else runs eagerly. Per step the host fills one pinned buffer, one copy
-moves it to the device, and the graph runs the whole forward including the LM head.
+moves it to the device, and the graph runs the whole forward including the LM head. Tokens still
+pending (sampled by the step launched just before, not read back yet) are gathered from that
+step's output on the device before the replay. Two pinned buffers take turns, so filling one
+never races the copy of the step still queued.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from noesis.kv.cache import KVPool
 from noesis.models.decoder import DecoderLM
 from noesis.models.rope import RotaryEmbedding
 from noesis.runner.inputs import AttentionMetadata
+
+COLUMNS = 5  # per-row fields of the input buffer before the page tables
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -39,12 +44,13 @@ class CudaGraphRunner:
         self.page_size = kv.page_size
         self.max_pages = -(-max_model_len // kv.page_size)
         rows = self.max_batch
-        # One pinned host buffer and its device twin, each field contiguous:
-        # ids [R] | positions [R] | slots [R] | lengths [R] | page tables [R, max_pages].
-        size = 4 * rows + rows * self.max_pages
-        self.host = torch.zeros(size, dtype=torch.int64).pin_memory()
+        # Pinned host buffers and their device twin, each field contiguous: ids [R] |
+        # positions [R] | slots [R] | lengths [R] | pending sources [R] | tables [R, max_pages].
+        size = COLUMNS * rows + rows * self.max_pages
+        self.hosts = [torch.zeros(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.turn = 0  # which host buffer the next step fills
         self.device_buf = torch.zeros(size, dtype=torch.int64, device=kv.device)
-        self.host_fields = self._fields(self.host.numpy())
+        self.host_fields = [self._fields(host.numpy()) for host in self.hosts]
         self.device_fields = self._fields(self.device_buf)
         self.rows = torch.arange(rows, device=kv.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -53,12 +59,12 @@ class CudaGraphRunner:
 
     def _fields(self, flat):
         rows = self.max_batch
-        columns = [flat[i * rows : (i + 1) * rows] for i in range(4)]
-        tables = flat[4 * rows :].reshape(rows, self.max_pages)
+        columns = [flat[i * rows : (i + 1) * rows] for i in range(COLUMNS)]
+        tables = flat[COLUMNS * rows :].reshape(rows, self.max_pages)
         return (*columns, tables)
 
     def _forward(self, batch: int) -> torch.Tensor:
-        input_ids, positions, slots, lengths, tables = (f[:batch] for f in self.device_fields)
+        input_ids, positions, slots, lengths, _, tables = (f[:batch] for f in self.device_fields)
         meta = AttentionMetadata(self.page_size, slots, [], self.rows[:batch], tables,
                                  lengths, self.max_model_len)
         cos, sin = self.rope.cos_sin(positions)
@@ -68,8 +74,8 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        self._fill_padding(0, self.max_batch)
-        self.device_buf.copy_(self.host)
+        self._fill_padding(self.host_fields[0], 0, self.max_batch)
+        self.device_buf.copy_(self.hosts[0])
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -94,34 +100,43 @@ class CudaGraphRunner:
         return all(i.num_tokens == 1 and i.seq.num_computed > 0 and i.samples
                    for i in plan.scheduled)
 
-    def replay(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [n, V] for a decode-only plan of n sequences."""
+    def replay(self, plan: StepPlan, sources: list[int] | None = None,
+               previous_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, V] for a decode-only plan of n sequences. `sources[i]` >= 0: sequence i
+        feeds the token in row `sources[i]` of `previous_ids` (on the device)."""
         count = len(plan.scheduled)
         batch = next(b for b in self.buckets if b >= count)
-        ids, positions, slots, lengths, tables = self.host_fields
+        host, fields = self.hosts[self.turn], self.host_fields[self.turn]
+        self.turn ^= 1
+        ids, positions, slots, lengths, _, tables = fields
         ps = self.page_size
         for row, item in enumerate(plan.scheduled):
             seq = item.seq
             pos = seq.num_computed
             pages = seq.pages
-            ids[row] = seq.token_ids[pos]
+            ids[row] = seq.token_ids[pos] if pos < len(seq.token_ids) else 0
             positions[row] = pos
             slots[row] = pages[pos // ps] * ps + pos % ps
             lengths[row] = pos + 1
             tables[row, : len(pages)] = pages
-        self._fill_padding(count, batch)
-        self.device_buf.copy_(self.host, non_blocking=True)
+        self._fill_padding(fields, count, batch)
+        if sources is not None:
+            fields[4][:count] = sources
+        self.device_buf.copy_(host, non_blocking=True)
+        if sources is not None:
+            ids_in, sources_in = self.device_fields[0][:count], self.device_fields[4][:count]
+            gathered = previous_ids[sources_in.clamp(min=0)]
+            torch.where(sources_in >= 0, gathered, ids_in, out=ids_in)
         self.graphs[batch].replay()
         return self.logits[batch][:count]
 
-    def _fill_padding(self, start: int, stop: int) -> None:
+    def _fill_padding(self, fields, start: int, stop: int) -> None:
         """Padded rows decode a dummy token into the pool's scratch page."""
-        ids, positions, slots, lengths, tables = self.host_fields
+        ids, positions, slots, lengths, sources, tables = fields
         scratch = self.kv.scratch_page
         ids[start:stop] = 0
         positions[start:stop] = 0
         slots[start:stop] = scratch * self.page_size
         lengths[start:stop] = 1
+        sources[start:stop] = -1
         tables[start:stop] = scratch
-
-

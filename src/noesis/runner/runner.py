@@ -25,6 +25,20 @@ class SampledToken:
     logprobs: dict[int, float] | None  # top-k plus the sampled token, when asked
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device and not read back yet. The next step may be launched before
+    `ModelRunner.fetch` reads this one: its pending input tokens come from `token_ids`."""
+
+    plan: StepPlan
+    seqs: list[Sequence]  # the sampling sequences, in the order of the sampled rows
+    row_of: dict[int, int]  # seq_id -> row of `token_ids`
+    token_ids: torch.Tensor | None  # [B] sampled ids on the device
+    host: torch.Tensor | None  # their copy (packed with the logprobs when asked) on the host
+    ready: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    top_k: int  # logprob columns packed in `host`
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -56,31 +70,83 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs.capture_seconds
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> dict[int, SampledToken]:
         """Execute one step; returns seq_id -> sampled token for sequences that sample."""
+        return self.fetch(self.launch(plan, None))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
+        """Queue one step (forward, grammar masks, sampling, the copy of the sampled ids to the
+        host) without waiting for it. Decodes of tokens still pending take them from
+        `previous`, the step launched before this one, on the device."""
         sampling = [item.seq for item in plan.scheduled if item.samples]
         matchers = [seq.matcher for seq in sampling]
         constrained = any(m is not None for m in matchers)
         if constrained:  # the masks fill on a CPU thread while the forward runs
             self._mask_filler().start(matchers)
         try:
-            logits = self._forward(plan)
+            logits = self._forward(plan, previous)
         finally:  # collected even when the forward fails, so the next step can start a fill
             bitmask = self.masks.result(self.device) if constrained else None
         if bitmask is not None:
             apply_token_bitmask_(logits, bitmask)
-        if not sampling:
-            return {}
-        out = sample(logits, self.sampling_tensors(sampling))
-        return self._to_host(out, sampling)
+        launched = LaunchedStep(plan, sampling, {s.seq_id: i for i, s in enumerate(sampling)},
+                                None, None, None, 0)
+        if sampling:
+            self._copy_out(launched, sample(logits, self.sampling_tensors(sampling)))
+        return launched
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+    def _copy_out(self, launched: LaunchedStep, out: SamplerOutput) -> None:
+        """Start the step's single device -> host copy: ids, and logprobs packed beside them."""
+        launched.token_ids = payload = out.token_ids
+        if out.token_logprobs is not None:
+            payload = torch.cat(
+                [
+                    out.token_ids[:, None].double(),
+                    out.token_logprobs[:, None].double(),
+                    out.top_ids.double(),
+                    out.top_logprobs.double(),
+                ],
+                dim=1,
+            )  # [B, 2 + 2k]
+            launched.top_k = out.top_ids.shape[1]
+        cuda = self.device.type == "cuda"
+        launched.host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=cuda)
+        launched.host.copy_(payload, non_blocking=cuda)
+        if cuda:
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+
+    def fetch(self, launched: LaunchedStep) -> dict[int, SampledToken]:
+        """Wait for a launched step's sampled tokens: seq_id -> token for sequences that sample."""
+        if launched.host is None:
+            return {}
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        seqs = launched.seqs
+        if launched.host.dtype == torch.int64:
+            ids = launched.host.tolist()
+            return {seq.seq_id: SampledToken(tok, None) for seq, tok in zip(seqs, ids, strict=True)}
+        k = launched.top_k
+        results = {}
+        for seq, row in zip(seqs, launched.host.tolist(), strict=True):
+            token = int(row[0])
+            logprobs = None
+            if seq.params.logprobs is not None:
+                n = seq.params.logprobs
+                top = zip(row[2 : 2 + n], row[2 + k : 2 + k + n], strict=True)
+                logprobs = {int(i): lp for i, lp in top}
+                logprobs[token] = row[1]
+            results[seq.seq_id] = SampledToken(token, logprobs)
+        return results
+
+    def _forward(self, plan: StepPlan, previous: LaunchedStep | None) -> torch.Tensor | None:
         if self.graphs is not None and self.graphs.can_replay(plan):
             self.step_counts["graph"] += 1
-            return self.graphs.replay(plan)
+            sources = pending_sources(plan, previous)
+            return self.graphs.replay(plan, sources, previous.token_ids if sources else None)
         self.step_counts["eager"] += 1
-        return self.forward_eager(plan)
+        return self.forward_eager(plan, previous)
 
     def _mask_filler(self):
         if self.masks is None:
@@ -88,9 +154,9 @@ class ModelRunner:
                 self.masks = MaskFiller(self.vocab_size, self.max_num_seqs)
         return self.masks
 
-    def forward_eager(self, plan: StepPlan) -> torch.Tensor | None:
+    def forward_eager(self, plan: StepPlan, previous: LaunchedStep | None = None):
         """Logits [B, V] of the sampling sequences (None when none samples)."""
-        inputs = self.prepare(plan)
+        inputs = self.prepare(plan, previous)
         cos, sin = self.rope.cos_sin(inputs.positions, inputs.rope_lengths)
         hidden, residual = self.model(
             inputs.input_ids, cos, sin, self.kv.layers, inputs.attn, self.attention
@@ -100,16 +166,21 @@ class ModelRunner:
         rows = inputs.sample_rows
         return self.model.compute_logits(hidden[rows], residual[rows])  # [B, V]
 
-    def prepare(self, plan: StepPlan) -> ForwardInputs:
+    def prepare(self, plan: StepPlan, previous: LaunchedStep | None = None) -> ForwardInputs:
         token_ids, positions, slots, sample_rows, rope_lengths = [], [], [], [], []
+        sources = pending_sources(plan, previous)
+        pending_rows: list[int] = []
         prefills: list[PrefillSpan] = []
         decodes: list[ScheduledSeq] = []
         decode_rows: list[int] = []
         page_size = self.kv.page_size
-        for item in plan.scheduled:
+        for index, item in enumerate(plan.scheduled):
             seq, start, count = item.seq, item.seq.num_computed, item.num_tokens
             row = len(token_ids)
             token_ids.extend(seq.token_ids[start : start + count])
+            if sources is not None and sources[index] >= 0:  # filled in on the device below
+                token_ids.append(0)
+                pending_rows.append(row)
             positions.extend(range(start, start + count))
             slots.extend(
                 seq.pages[p // page_size] * page_size + p % page_size
@@ -125,8 +196,12 @@ class ModelRunner:
                 pages = seq.pages[: -(-(start + count) // page_size)]
                 prefills.append(PrefillSpan(row, count, start + count, self._tensor(pages)))
         attn = self._decode_metadata(decodes, decode_rows, prefills, self._tensor(slots))
+        input_ids = self._tensor(token_ids)
+        if pending_rows:
+            picked = self._tensor([source for source in sources if source >= 0])
+            input_ids[self._tensor(pending_rows)] = previous.token_ids[picked]
         return ForwardInputs(
-            input_ids=self._tensor(token_ids),
+            input_ids=input_ids,
             positions=self._tensor(positions),
             attn=attn,
             sample_rows=self._tensor(sample_rows),
@@ -188,39 +263,30 @@ class ModelRunner:
             seen_mask=seen,
         )
 
-    def _to_host(self, out: SamplerOutput, seqs: list[Sequence]) -> dict[int, SampledToken]:
-        """The step's single device -> host copy: ids, and logprobs packed beside them."""
-        if out.token_logprobs is None:
-            ids = out.token_ids.tolist()
-            return {seq.seq_id: SampledToken(tok, None) for seq, tok in zip(seqs, ids, strict=True)}
-        packed = (
-            torch.cat(
-                [
-                    out.token_ids[:, None].double(),
-                    out.token_logprobs[:, None].double(),
-                    out.top_ids.double(),
-                    out.top_logprobs.double(),
-                ],
-                dim=1,
-            )
-            .cpu()
-            .tolist()
-        )  # [B, 2 + 2k]
-        k = out.top_ids.shape[1]
-        results = {}
-        for seq, row in zip(seqs, packed, strict=True):
-            token = int(row[0])
-            logprobs = None
-            if seq.params.logprobs is not None:
-                n = seq.params.logprobs
-                top = zip(row[2 : 2 + n], row[2 + k : 2 + k + n], strict=True)
-                logprobs = {int(i): lp for i, lp in top}
-                logprobs[token] = row[1]
-            results[seq.seq_id] = SampledToken(token, logprobs)
-        return results
-
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        """A host list on the device. On CUDA through pinned memory without waiting: a plain
+        copy would wait for the step still running on the device."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
+
+
+def pending_sources(plan: StepPlan, previous: LaunchedStep | None) -> list[int] | None:
+    """Per scheduled sequence, the row of `previous`'s sampled ids that holds the token it
+    feeds, or -1 when its tokens are all known; None when nothing is pending."""
+    if not any(item.seq.num_computed >= len(item.seq.token_ids) for item in plan.scheduled):
+        return None
+    sources = []
+    for item in plan.scheduled:
+        seq = item.seq
+        if seq.num_computed < len(seq.token_ids):
+            sources.append(-1)
+            continue
+        if item.num_tokens != 1 or previous is None or seq.seq_id not in previous.row_of:
+            raise RuntimeError(f"sequence {seq.seq_id} feeds a token no launched step samples")
+        sources.append(previous.row_of[seq.seq_id])
+    return sources
 
 
 def _padded(pages: list[int], length: int) -> list[int]:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One lease on the lent GPU: install the carried wheels, run the GPU tests, then the benchmarks
+# named in $STAGES (default: tests decode serve). Logs and JSON go to $OUT (default .bench/gpu).
+#   OUT=/tmp/out STAGES="tests decode" bash benchmarks/gpu_session.sh
+set -uo pipefail
+OUT=${OUT:-.bench/gpu}
+STAGES=${STAGES:-tests decode serve}
+mkdir -p "$OUT" /tmp/base
+for w in .whl/*.whl; do pip install -q --no-index --no-deps --target /tmp/base "$w" 2>/dev/null; done
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD/scripts:/tmp/base
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/device.txt"
+MODEL8=/tmp/noesis-bench/llama-8b
+make_8b() {
+  [ -f "$MODEL8/config.json" ] || python -c "
+from pathlib import Path
+from make_random_checkpoint import make_checkpoint
+make_checkpoint(Path('$MODEL8'), 'llama-8b', 'bfloat16', 8192, 0, False, 'cuda')"
+}
+for stage in $STAGES; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests) python -m pytest -m gpu tests/gpu -q -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
+    decode) python benchmarks/gpu_decode.py --shapes llama-8b --no-hf --batches 64,128 \
+              --json "$OUT/decode_8b.json" 2>&1 | tail -14 | tee "$OUT/decode_8b.txt" ;;
+    serve) make_8b
+      for mode in "" "--no-overlap" ""; do
+        python benchmarks/serve.py --model $MODEL8 --device cuda --concurrency 128 \
+          --prompt-len 512 --output-len 256 --requests 2 --max-seconds 40 --engine-only $mode \
+          --out "$OUT/serve_engine${mode}.json" 2>&1 | tail -2 | tee -a "$OUT/serve.txt"
+      done
+      python benchmarks/serve.py --model $MODEL8 --device cuda --concurrency 128 \
+        --prompt-len 512 --output-len 256 --requests 2 --max-seconds 40 \
+        --out "$OUT/serve_http.json" 2>&1 | tail -2 | tee -a "$OUT/serve.txt" ;;
+    *) python benchmarks/$stage 2>&1 | tail -30 | tee -a "$OUT/extra.txt" ;;
+  esac
+done
+echo "=== done $(date +%T)"
