@@ -212,10 +212,14 @@ def main() -> None:
     parser.add_argument("--batches", default="8,32,64,128", help="comma list; empty for none")
     parser.add_argument("--hf-compile", default="", help="shapes to also run with torch.compile")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--blas", choices=["cublas", "cublaslt"],
+                        help="torch's preferred BLAS library for the projections (experiment)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench"))
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "gpu_decode.json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     bandwidth = copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_bandwidth_TBps": bandwidth / 1e12, "shapes": {}}

@@ -24,6 +24,16 @@ for stage in $STAGES; do
     tests) python -m pytest -m gpu tests/gpu -q -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
     decode) python benchmarks/gpu_decode.py --shapes llama-8b --no-hf --batches 64,128 \
               --json "$OUT/decode_8b.json" 2>&1 | tail -14 | tee "$OUT/decode_8b.txt" ;;
+    decode-lt) python benchmarks/gpu_decode.py --shapes llama-8b --no-hf --batches 64 \
+              --blas cublaslt --json "$OUT/decode_8b_lt.json" 2>&1 | tail -9 \
+              | tee "$OUT/decode_8b_lt.txt" ;;
+    tune) python benchmarks/tune_paged_decode.py --json "$OUT/tune.json" 2>&1 | grep -v skip \
+              | tee "$OUT/tune.txt" ;;
+    timeline) make_8b; python benchmarks/step_timeline.py --model $MODEL8 --batches 1,64,128 \
+              2>&1 | tail -8 | tee "$OUT/timeline.txt" ;;
+    hf-1b) python benchmarks/gpu_decode.py --shapes llama-1b --batches 1,64 \
+              --hf-compile llama-1b --json "$OUT/decode_1b.json" 2>&1 | tail -14 \
+              | tee "$OUT/decode_1b.txt" ;;
     serve) make_8b
       for mode in "" "--no-overlap" ""; do
         python benchmarks/serve.py --model $MODEL8 --device cuda --concurrency 128 \
@@ -33,6 +43,13 @@ for stage in $STAGES; do
       python benchmarks/serve.py --model $MODEL8 --device cuda --concurrency 128 \
         --prompt-len 512 --output-len 256 --requests 2 --max-seconds 40 \
         --out "$OUT/serve_http.json" 2>&1 | tail -2 | tee -a "$OUT/serve.txt" ;;
+    sweep) make_8b; python benchmarks/serve.py --model $MODEL8 --device cuda \
+              --concurrency 1,8,32,64,128 --prompt-len 512 --output-len 256 --requests 2 \
+              --max-seconds 40 --chat-turns 20 --out "$OUT/serve_sweep.json" 2>&1 | tail -12 \
+              | tee "$OUT/sweep.txt" ;;
+    hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
+              --hf-compile llama-8b --json "$OUT/decode_8b_hf.json" 2>&1 | tail -10 \
+              | tee "$OUT/decode_8b_hf.txt" ;;
     *) python benchmarks/$stage 2>&1 | tail -30 | tee -a "$OUT/extra.txt" ;;
   esac
 done

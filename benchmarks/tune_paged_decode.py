@@ -1,6 +1,7 @@
 """Launch parameters of the paged decode attention kernel, timed on shapes the engine meets
 (Llama-3.1-8B heads: 32 query / 8 KV heads of 128, 16-token pages): partition (context tokens per
-split), BLOCK_N, warps, pipeline stages. Prints microseconds and effective KV bandwidth.
+split), BLOCK_N, pipeline stages, and whether the splits merge in the same launch. Prints
+microseconds and effective KV bandwidth.
 
     python benchmarks/tune_paged_decode.py [--json out.json]
 """
@@ -16,7 +17,8 @@ import torch
 from noesis.kernels import triton_kernels
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
-CASES = [(1, 2048), (8, 1024), (64, 700), (128, 600)]  # (batch, context)
+CASES = [(1, 128), (1, 384), (1, 1024), (1, 2048), (1, 4000), (8, 1024), (64, 700),
+         (128, 600)]  # (batch, context)
 MAX_CTX = 8192
 
 
@@ -54,12 +56,13 @@ def tune_case(batch: int, ctx: int, grid) -> dict:
 
     reference = run()
     default = time_us(run)
+    two_launches = time_us(lambda: run({"fused_reduce": False}))
     best = (default, None)
-    for partition, block_n, warps, stages in grid:
+    for partition, block_n, warps, stages, fused in grid:
         if block_n > partition:
             continue
         tuning = {"partition": partition, "block_n": block_n, "num_warps": warps,
-                  "num_stages": stages}
+                  "num_stages": stages, "fused_reduce": fused}
         try:
             if (run(tuning).float() - reference.float()).abs().max().item() > 2e-2:
                 continue
@@ -69,7 +72,8 @@ def tune_case(batch: int, ctx: int, grid) -> dict:
             continue
         if us < best[0]:
             best = (us, tuning)
-    return {"batch": batch, "ctx": ctx, "default_us": default, "best_us": best[0],
+    return {"batch": batch, "ctx": ctx, "default_us": default,
+            "default_two_launches_us": two_launches, "best_us": best[0],
             "best": best[1], "default_TBps": kv_bytes / default / 1e6,
             "best_TBps": kv_bytes / best[0] / 1e6}
 
@@ -78,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     args = parser.parse_args()
-    grid = list(itertools.product((64, 128, 256, 512), (32, 64, 128), (4, 8), (2, 3)))
+    grid = list(itertools.product((64, 128, 256, 512), (32, 64), (4,), (2, 3), (True, False)))
     results = []
     for batch, ctx in CASES:
         row = tune_case(batch, ctx, grid)

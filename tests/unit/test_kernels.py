@@ -51,8 +51,9 @@ def paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens, seed=0):
         (2, 1, 16, 4, [3 + 7 * i for i in range(71)] + [1100], None),
     ],
 )
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
 def test_paged_decode_attention_matches_reference(
-    heads, kv_heads, head_dim, page_size, ctx_lens, window
+    heads, kv_heads, head_dim, page_size, ctx_lens, window, fused
 ):
     batch = len(ctx_lens)
     q, kv, tables, lens = paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens)
@@ -68,10 +69,12 @@ def test_paged_decode_attention_matches_reference(
     scale = head_dim**-0.5
     expected = TorchPagedAttention().decode(q, kv, meta, scale, window)
     out = triton_kernels.paged_decode_attention(
-        q, kv[0], kv[1], tables, lens, scale, max(ctx_lens), window
+        q, kv[0], kv[1], tables, lens, scale, max(ctx_lens), window, {"fused_reduce": fused}
     )
     assert not out.isnan().any()
     assert rel_err(out, expected) < 1e-5
+    if fused:  # the split counters are left zero for the next launch
+        assert not triton_kernels._split_counters(q.device).any()
 
 
 def test_add_rms_norm_matches_reference():

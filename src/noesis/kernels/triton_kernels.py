@@ -27,18 +27,19 @@ def pipeline_stages(batch: int) -> int:
     return 3 if batch <= 8 else 2
 
 
-@triton.jit(do_not_specialize=["window", "stride_tb", "stride_ob", "stride_lb"])
+@triton.jit(do_not_specialize=["window", "stride_tb", "stride_ob", "stride_lb", "stride_fb"])
 def _paged_decode_partial(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, counters_ptr, out_ptr,
     scale, window,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_tb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_fb, stride_fh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,6 +88,39 @@ def _paged_decode_partial(
     out_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
     tl.store(out_ptrs + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+    if FUSED_REDUCE:
+        # The last split of (sequence, KV head) to finish merges all of them: one launch instead
+        # of a second kernel. The barrier orders every thread's stores before the counter's
+        # release; the counter goes back to zero for the next launch.
+        tl.debug_barrier()
+        counter = counters_ptr + b * tl.num_programs(1) + kv_head
+        num_splits = tl.cdiv(ctx_len, PART)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.debug_barrier()
+            tl.store(counter, 0)
+            m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_run = tl.zeros([GROUP_PAD], tl.float32)
+            merged = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+            s = 0
+            while s < num_splits:  # (a while loop: Triton's interpreter runs it too)
+                lse_s = tl.load(part_lse_ptr + b * stride_lb + heads * stride_lh + s,
+                                mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(
+                    part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
+                    + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+                    cache_modifier=".cg",
+                )
+                m_new = tl.maximum(m_run, lse_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_run - m_safe)
+                weight = tl.exp(lse_s - m_safe)
+                merged = merged * alpha[:, None] + part * weight[:, None]
+                l_run = l_run * alpha + weight
+                m_run = m_new
+                s += 1
+            l_run = tl.where(l_run == 0.0, 1.0, l_run)
+            final = out_ptr + b * stride_fb + heads[:, None] * stride_fh + dims[None, :]
+            tl.store(final, merged / l_run[:, None], mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["stride_ob", "stride_lb"])
@@ -119,6 +153,18 @@ def _paged_decode_reduce(
     tl.store(out_ptr + b * stride_fb + head * stride_fh + dims, out, mask=dim_ok)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+MAX_COUNTERS = 1 << 16  # (sequence, KV head) pairs one fused launch can merge
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters for the fused split merge, one buffer per device for the process's
+    life (graphs capture its address); every launch leaves them zero again."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, d]
     k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, d]
@@ -131,7 +177,9 @@ def paged_decode_attention(
     tuning: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns [B, H, d].
-    `tuning` overrides the launch (partition, block_n, num_warps, num_stages): benchmarks only."""
+    The context is split for parallelism; the last split of each (sequence, KV head) to finish
+    merges the splits in the same launch. `tuning` overrides the launch (partition, block_n,
+    num_warps, num_stages, fused_reduce): benchmarks only."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert ctx_lens.stride(0) == 1 and q.stride(2) == 1 and k_cache.stride(3) == 1
@@ -139,27 +187,32 @@ def paged_decode_attention(
     tuning = tuning or {}
     partition = tuning.get("partition") or partition_size(batch)
     max_splits = max(1, triton.cdiv(max_ctx, partition))
+    fused = tuning.get("fused_reduce", True) and batch * num_kv_heads <= MAX_COUNTERS
     part_out = torch.empty(batch, num_heads, max_splits, head_dim, device=q.device,
                            dtype=torch.float32)
     part_lse = torch.empty(batch, num_heads, max_splits, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
+    counters = _split_counters(q.device) if fused else part_lse  # unread when not fused
     dim_pad = triton.next_power_of_2(head_dim)
     _paged_decode_partial[(batch, num_kv_heads, max_splits)](
-        q, k_cache, v_cache, block_tables, ctx_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, ctx_lens, part_out, part_lse, counters, out,
         scale, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=dim_pad, PAGE_SIZE=page_size,
         BLOCK_N=tuning.get("block_n") or min(64 if dim_pad <= 128 else 32, partition),
         PART=partition, HAS_WINDOW=window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSED_REDUCE=fused,
         num_warps=tuning.get("num_warps", 4),
         num_stages=tuning.get("num_stages") or pipeline_stages(batch),
     )
+    if fused:
+        return out
     _paged_decode_reduce[(batch, num_heads)](
         part_out, part_lse, ctx_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
