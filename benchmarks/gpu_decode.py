@@ -99,20 +99,47 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
         full = run(prompts, NEW_TOKENS)
         graph_steps = engine.runner.step_counts["graph"] - counts["graph"]
         eager_steps = engine.runner.step_counts["eager"] - counts["eager"]
-        engine.overlap = False
-        full_sync = run(prompts, NEW_TOKENS)
+        entry = {"total_tok_s": batch * NEW_TOKENS / full,
+                 "decode_tok_s_whole_runs": batch * (NEW_TOKENS - 1) / (full - first),
+                 "graph_steps": graph_steps, "eager_steps": eager_steps}
+        for overlap, key in ((True, ""), (False, "_sync")):
+            engine.overlap = overlap
+            seconds, steps, mean_ctx = steady_decode(engine, prompts)
+            step_bytes = weight_bytes + batch * mean_ctx * kv_per_token
+            roofline = batch * bandwidth / step_bytes
+            entry[f"decode_tok_s{key}"] = batch * steps / seconds
+            entry[f"share_of_roofline{key}"] = batch * steps / seconds / roofline
+            entry["roofline_tok_s"], entry["mean_ctx"] = roofline, mean_ctx
         engine.overlap = True
-        decode_tok_s = batch * (NEW_TOKENS - 1) / (full - first)
-        avg_ctx = 128 + NEW_TOKENS / 2
-        step_bytes = weight_bytes + batch * avg_ctx * kv_per_token
-        roofline = batch * bandwidth / step_bytes
-        result["batches"][batch] = {
-            "total_tok_s": batch * NEW_TOKENS / full, "decode_tok_s": decode_tok_s,
-            "decode_tok_s_sync": batch * (NEW_TOKENS - 1) / (full_sync - first),
-            "roofline_tok_s": roofline, "share_of_roofline": decode_tok_s / roofline,
-            "graph_steps": graph_steps, "eager_steps": eager_steps,
-        }
+        result["batches"][batch] = entry
     return result
+
+
+def steady_decode(engine, prompts: list[list[int]], steps: int = 192) -> tuple[float, int, float]:
+    """Decode throughput once every sequence is decoding: (seconds, steps, mean context) over
+    `steps` engine steps after all prefills are done, each step one token per sequence."""
+    from noesis import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params, stream=False) for p in prompts]
+    running = engine.scheduler.running
+    while engine.scheduler.waiting or any(s.num_computed < s.prompt_len for s in running):
+        engine.step()
+    for _ in range(3):  # past the steps that still mix in the last prefill chunk
+        engine.step()
+    start_ctx = statistics.mean(s.num_computed for s in running)
+    assert len(running) == len(prompts) and min(s.max_len - s.num_tokens for s in running) > steps
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return seconds, steps, start_ctx + steps / 2
 
 
 def bucket_profile(engine) -> dict:
@@ -273,9 +300,11 @@ def print_table(report: dict) -> None:
             f"{b}: {v['replay_ms']:.2f}+{v['greedy_sample_ms']:.2f}" for b, v in buckets.items()))
         for batch, b in n["batches"].items():
             print(f"{'':<10}batch {batch:>3}: decode {b['decode_tok_s']:>8.0f} tok/s "
-                  f"({b['share_of_roofline']:.0%} of {b['roofline_tok_s']:.0f}), "
-                  f"end-to-end {b['total_tok_s']:.0f} tok/s, without overlap "
-                  f"{b['decode_tok_s_sync']:.0f}, steps graph/eager "
+                  f"({b['share_of_roofline']:.0%} of {b['roofline_tok_s']:.0f} at "
+                  f"{b['mean_ctx']:.0f} tokens), without overlap {b['decode_tok_s_sync']:.0f} "
+                  f"({b['share_of_roofline_sync']:.0%}); whole 256-token runs: decode "
+                  f"{b['decode_tok_s_whole_runs']:.0f}, end-to-end {b['total_tok_s']:.0f} "
+                  f"tok/s, steps graph/eager "
                   f"{b.get('graph_steps', '?')}/{b.get('eager_steps', '?')}")
 
 

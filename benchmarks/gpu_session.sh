@@ -22,8 +22,8 @@ for stage in $STAGES; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests) python -m pytest -m gpu tests/gpu -q -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
-    decode) python benchmarks/gpu_decode.py --shapes llama-8b --no-hf --batches 64,128 \
-              --json "$OUT/decode_8b.json" 2>&1 | tail -14 | tee "$OUT/decode_8b.txt" ;;
+    decode) python benchmarks/gpu_decode.py --shapes llama-8b --no-hf --batches 8,32,64,128 \
+              --json "$OUT/decode_8b.json" 2>&1 | tail -9 | tee "$OUT/decode_8b.txt" ;;
     decode-lt) python benchmarks/gpu_decode.py --shapes llama-8b --no-hf --batches 64 \
               --blas cublaslt --json "$OUT/decode_8b_lt.json" 2>&1 | tail -9 \
               | tee "$OUT/decode_8b_lt.txt" ;;
@@ -47,6 +47,10 @@ for stage in $STAGES; do
               --concurrency 1,8,32,64,128 --prompt-len 512 --output-len 256 --requests 2 \
               --max-seconds 40 --chat-turns 20 --out "$OUT/serve_sweep.json" 2>&1 | tail -12 \
               | tee "$OUT/sweep.txt" ;;
+    profile) make_8b; python benchmarks/profile_decode.py --shape llama-8b 2>&1 | tail -45 \
+              | tee "$OUT/profile.txt" ;;
+    blas) make_8b; python benchmarks/blas_buckets.py --model $MODEL8 2>&1 | tail -6 \
+              | tee "$OUT/blas.txt" ;;
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
               --hf-compile llama-8b --json "$OUT/decode_8b_hf.json" 2>&1 | tail -10 \
               | tee "$OUT/decode_8b_hf.txt" ;;

@@ -35,6 +35,16 @@ def steady_state(engine, batch: int, prompt_len: int, warm_steps: int) -> None:
         engine.step()
 
 
+def run_steps(engine, steps: int) -> float:
+    """Seconds for `steps` engine steps, the device drained before and after."""
+    _sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    return time.perf_counter() - start
+
+
 def timed(engine, steps: int) -> dict[str, float]:
     """Mean ms per step of each host phase over `steps` steps."""
     phases: dict[str, float] = defaultdict(float)
@@ -57,12 +67,7 @@ def timed(engine, steps: int) -> dict[str, float]:
                  (runner, "fetch", wrap(runner, "fetch", "wait for device")),
                  (scheduler, "schedule", wrap(scheduler, "schedule", "plan"))]
     try:
-        _sync()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        _sync()
-        wall = time.perf_counter() - start
+        wall = run_steps(engine, steps)
     finally:
         for owner, name, real in originals:
             setattr(owner, name, real)
@@ -77,12 +82,7 @@ def device_busy(engine, steps: int) -> tuple[float, float]:
     if not torch.cuda.is_available():
         return float("nan"), float("nan")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _sync()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        _sync()
-        wall = time.perf_counter() - start
+        wall = run_steps(engine, steps)
     busy = sum(e.device_time_total for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
     return wall / steps * 1e3, busy / steps

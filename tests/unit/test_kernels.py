@@ -47,7 +47,7 @@ def paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens, seed=0):
         (8, 1, 32, 16, [520, 3], None),  # MQA, several splits
         (4, 4, 24, 8, [33, 64], None),  # MHA, head_dim not a power of two
         (6, 2, 16, 4, [40, 300], 17),  # sliding window
-        # batch > 64: 512-token splits, a two-split context among short ones
+        # batch > 8: 256-token splits, a five-split context among short ones
         (2, 1, 16, 4, [3 + 7 * i for i in range(71)] + [1100], None),
     ],
 )

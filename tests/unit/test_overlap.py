@@ -158,3 +158,28 @@ def test_constrained_requests_wait_for_their_tokens():
         return outputs
 
     same_outputs(run(True), run(False))
+
+
+def test_a_failed_launch_loses_nothing_else(checkpoints, overlapped, monkeypatch):
+    """A step that fails while another is in flight: the server's loop aborts what is running;
+    the step in flight is still read back (its requests dropped), and the engine serves the
+    next request exactly and returns every page."""
+    engine = overlapped.engine
+    expected = checkpoints.llm("llama").generate([PROMPTS[3]], greedy_params(max_tokens=10))[0]
+    engine.add_request(PROMPTS[0], greedy_params(max_tokens=30), stream=False)
+    engine.step()
+    engine.step()
+    assert engine._inflight is not None
+    real = engine.runner.forward_eager
+
+    def broken(plan, previous=None):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.runner, "forward_eager", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "forward_eager", real)
+    assert [o.finish_reason for o in engine.abort_all()] == ["abort"]
+    assert overlapped.generate([PROMPTS[3]], greedy_params(max_tokens=10))[0].token_ids == \
+        expected.token_ids
+    assert_idle(overlapped)

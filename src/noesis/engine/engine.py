@@ -240,13 +240,11 @@ class Engine:
         if plan:
             launched = self.runner.launch(plan, previous)
             self.scheduler.advance(plan)
-        self._inflight = None
+        # Held before the previous step is completed: should that fail, this one is not lost.
+        self._inflight = launched if self.overlap else None
         outputs = self._complete(previous) if previous is not None else []
-        if launched is not None:
-            if self.overlap:
-                self._inflight = launched
-            else:
-                outputs = self._complete(launched)
+        if launched is not None and not self.overlap:
+            outputs = self._complete(launched)
         return outputs
 
     @staticmethod

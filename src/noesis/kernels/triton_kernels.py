@@ -15,11 +15,19 @@ import triton.language as tl
 
 def partition_size(batch: int) -> int:
     """Context tokens per split: small batches need many splits to fill the GPU; large ones
-    fill it anyway and pay for the splits in the reduce (8B heads, H200, tuned by
-    benchmarks/tune_paged_decode.py: batch 128 at 600 tokens 138 -> 123 us with 512)."""
-    if batch <= 8:
-        return 64
-    return 256 if batch <= 64 else 512
+    fill it anyway and pay for the splits in the merge. Timed inside CUDA graphs on an H200
+    (benchmarks/tune_paged_decode.py, 8B heads): 64 is best at batch 1 from 384 to 4,000
+    tokens; 256 at batch 64 (700 tokens) and 128 (600 tokens: 113 us against 118 with 512)."""
+    return 64 if batch <= 8 else 256
+
+
+def fused_merge(batch: int) -> bool:
+    """Whether the splits merge in the partial kernel's launch (the last split to finish merges
+    them, serially) rather than in a second kernel. In graphs on an H200: batch 128 at 600
+    tokens 118 us against 120, batch 64 at 700 62 against 68; but at batch 1 the serial merge
+    of 64-token splits loses from 1,024 tokens on (17.6 us against 7.7 at 2,048), and batch 8
+    at 1,024 (19.9 against 15.6)."""
+    return batch > 8
 
 
 def pipeline_stages(batch: int) -> int:
@@ -177,8 +185,9 @@ def paged_decode_attention(
     tuning: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns [B, H, d].
-    The context is split for parallelism; the last split of each (sequence, KV head) to finish
-    merges the splits in the same launch. `tuning` overrides the launch (partition, block_n,
+    The context is split for parallelism; the splits merge in a second kernel, or, for larger
+    batches, in the same launch (the last split of each (sequence, KV head) to finish merges
+    them). `tuning` overrides the launch (partition, block_n,
     num_warps, num_stages, fused_reduce): benchmarks only."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -187,7 +196,8 @@ def paged_decode_attention(
     tuning = tuning or {}
     partition = tuning.get("partition") or partition_size(batch)
     max_splits = max(1, triton.cdiv(max_ctx, partition))
-    fused = tuning.get("fused_reduce", True) and batch * num_kv_heads <= MAX_COUNTERS
+    fused = tuning.get("fused_reduce", fused_merge(batch))
+    fused = fused and batch * num_kv_heads <= MAX_COUNTERS
     part_out = torch.empty(batch, num_heads, max_splits, head_dim, device=q.device,
                            dtype=torch.float32)
     part_lse = torch.empty(batch, num_heads, max_splits, device=q.device, dtype=torch.float32)
