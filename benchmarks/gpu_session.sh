@@ -31,6 +31,8 @@ for stage in $STAGES; do
               | tee "$OUT/tune.txt" ;;
     timeline) make_8b; python benchmarks/step_timeline.py --model $MODEL8 --batches 1,64,128 \
               2>&1 | tail -8 | tee "$OUT/timeline.txt" ;;
+    decode-1b) python benchmarks/gpu_decode.py --shapes llama-1b --no-hf --batches 64 \
+              --json "$OUT/decode_1b.json" 2>&1 | tail -6 | tee "$OUT/decode_1b.txt" ;;
     hf-1b) python benchmarks/gpu_decode.py --shapes llama-1b --batches 1,64 \
               --hf-compile llama-1b --json "$OUT/decode_1b.json" 2>&1 | tail -14 \
               | tee "$OUT/decode_1b.txt" ;;
@@ -49,6 +51,8 @@ for stage in $STAGES; do
               | tee "$OUT/sweep.txt" ;;
     profile) make_8b; python benchmarks/profile_decode.py --shape llama-8b 2>&1 | tail -45 \
               | tee "$OUT/profile.txt" ;;
+    gemv) python benchmarks/gemv_fused.py --json "$OUT/gemv.json" 2>&1 | grep -v wrong \
+              | tail -12 | tee "$OUT/gemv.txt" ;;
     blas) make_8b; python benchmarks/blas_buckets.py --model $MODEL8 2>&1 | tail -6 \
               | tee "$OUT/blas.txt" ;;
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
