@@ -146,9 +146,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="do not reuse KV pages of shared prompt prefixes",
     )
     eng.add_argument(
-        "--no-overlap-steps", dest="overlap_steps", action="store_false", default=None,
-        help="read every step back before planning the next (default on CUDA: plan and launch "
-        "the next step while the device runs this one)",
+        "--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
+        help="plan and launch the next engine step while the device runs this one (default: on "
+        "CUDA, off elsewhere); --no-overlap-steps reads every step back first",
     )
 
 

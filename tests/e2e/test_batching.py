@@ -119,3 +119,40 @@ def test_twenty_turn_chat_reuses_its_history(server, client):
         f"\nTTFT turn 1 {ttft[0] * 1e3:.1f} ms, turn 20 {ttft[-1] * 1e3:.1f} ms; "
         f"prefix-cache hit fraction at turn 20: {hit_fraction[-1]:.2f}"
     )
+
+
+def test_overlapped_steps_serve_the_same_tokens(start_server, server, client):
+    """A server that plans each step while the last one runs (`--overlap-steps`, the CUDA
+    default, forced on here on the CPU): 64 concurrent streams get what the synchronous server
+    gives one request at a time, and a client that leaves mid-stream frees its pages."""
+    overlapped = start_server("--max-queue", "128", "--overlap-steps")
+    sequential = []
+    for i in range(NUM_STREAMS):
+        out = client.completions.create(**_request(i))
+        sequential.append((out.choices[0].text, out.choices[0].logprobs.tokens))
+
+    async def one(aclient, i: int):
+        stream = await aclient.completions.create(**_request(i), stream=True)
+        text, tokens = "", []
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.text
+                tokens += choice.logprobs.tokens if choice.logprobs else []
+        return text, tokens
+
+    async def run():
+        aclient = overlapped.async_client()
+        try:
+            return await asyncio.gather(*(one(aclient, i) for i in range(NUM_STREAMS)))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run()) == sequential
+    with overlapped.client().completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=900, stream=True,
+        extra_body={"ignore_eos": True},
+    ) as stream:
+        for _, _ in zip(stream, range(4), strict=False):
+            pass
+    metrics = overlapped.wait_idle()
+    assert metrics['noesis_requests_total{finish_reason="abort"}'] == 1
