@@ -51,6 +51,8 @@ for stage in $STAGES; do
               | tee "$OUT/sweep.txt" ;;
     profile) make_8b; python benchmarks/profile_decode.py --shape llama-8b 2>&1 | tail -45 \
               | tee "$OUT/profile.txt" ;;
+    profile-1b) python benchmarks/profile_decode.py --shape llama-1b 2>&1 | tail -45 \
+              | tee "$OUT/profile_1b.txt" ;;
     gemv) python benchmarks/gemv_fused.py --json "$OUT/gemv.json" 2>&1 | grep -v wrong \
               | tail -12 | tee "$OUT/gemv.txt" ;;
     blas) make_8b; python benchmarks/blas_buckets.py --model $MODEL8 2>&1 | tail -6 \
