@@ -16,6 +16,7 @@ import json
 import torch
 import triton
 import triton.language as tl
+from graph_timing import graph_us  # benchmarks/ is on sys.path when run as a script
 
 PLAIN, NORM, SILU = 0, 1, 2
 
@@ -77,28 +78,6 @@ def reference(prologue, x, weight, r=None, norm_weight=None):
     elif prologue == SILU:
         x = ops.silu_mul(x[None])[0]
     return torch.nn.functional.linear(x[None], weight)[0]
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(reps):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
 
 
 SHAPES = {  # name: (N, K, prologue); weights of 4 layers rotate so the cache never holds them

@@ -13,6 +13,7 @@ import itertools
 import json
 
 import torch
+from graph_timing import graph_us  # benchmarks/ is on sys.path when run as a script
 
 from noesis.kernels import triton_kernels
 
@@ -34,29 +35,6 @@ def setup(batch: int, ctx: int):
     return q, kv, tables, lens
 
 
-def time_us(fn, reps: int = 20) -> float:
-    """GPU microseconds per call, from a CUDA graph of `reps` calls: no host launch cost, which
-    would otherwise hide kernels of a few microseconds (as inside the engine's graphs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(reps):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
-
-
 def tune_case(batch: int, ctx: int, grid) -> dict:
     q, kv, tables, lens = setup(batch, ctx)
     kv_bytes = batch * ctx * KV_HEADS * DIM * 2 * 2
@@ -66,8 +44,8 @@ def tune_case(batch: int, ctx: int, grid) -> dict:
                                                      MAX_CTX, tuning=tuning)
 
     reference = run()
-    default = time_us(run)
-    two_launches = time_us(lambda: run({"fused_reduce": False}))
+    default = graph_us(run)
+    two_launches = graph_us(lambda: run({"fused_reduce": False}))
     best = (default, None)
     for partition, block_n, warps, stages, fused in grid:
         if block_n > partition:
@@ -77,7 +55,7 @@ def tune_case(batch: int, ctx: int, grid) -> dict:
         try:
             if (run(tuning).float() - reference.float()).abs().max().item() > 2e-2:
                 continue
-            us = time_us(lambda t=tuning: run(t))
+            us = graph_us(lambda t=tuning: run(t))
         except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
             print("skip", tuning, type(exc).__name__)
             continue

@@ -28,11 +28,14 @@ def _request(i: int) -> dict:
     )
 
 
-def test_64_concurrent_streams_match_a_sequential_run(server, client):
-    sequential = []
-    for i in range(NUM_STREAMS):
-        out = client.completions.create(**_request(i))
-        sequential.append((out.choices[0].text, out.choices[0].logprobs.tokens))
+def _sequential(client) -> list[tuple[str, list[str]]]:
+    """Each request alone, one after another: (text, tokens)."""
+    outs = [client.completions.create(**_request(i)).choices[0] for i in range(NUM_STREAMS)]
+    return [(out.text, out.logprobs.tokens) for out in outs]
+
+
+def _concurrent(server) -> list[tuple[str, list[str], object]]:
+    """All requests at once, streamed: (text, tokens, usage) each."""
 
     async def one(aclient, i: int):
         stream = await aclient.completions.create(
@@ -53,8 +56,12 @@ def test_64_concurrent_streams_match_a_sequential_run(server, client):
         finally:
             await aclient.close()
 
-    concurrent = asyncio.run(run())
-    for i, (text, tokens, usage) in enumerate(concurrent):
+    return asyncio.run(run())
+
+
+def test_64_concurrent_streams_match_a_sequential_run(server, client):
+    sequential = _sequential(client)
+    for i, (text, tokens, usage) in enumerate(_concurrent(server)):
         assert (text, tokens) == sequential[i], f"stream {i} differs"
         assert usage.completion_tokens == MAX_TOKENS == len(tokens)
     server.wait_idle()
@@ -126,28 +133,8 @@ def test_overlapped_steps_serve_the_same_tokens(start_server, server, client):
     default, forced on here on the CPU): 64 concurrent streams get what the synchronous server
     gives one request at a time, and a client that leaves mid-stream frees its pages."""
     overlapped = start_server("--max-queue", "128", "--overlap-steps")
-    sequential = []
-    for i in range(NUM_STREAMS):
-        out = client.completions.create(**_request(i))
-        sequential.append((out.choices[0].text, out.choices[0].logprobs.tokens))
-
-    async def one(aclient, i: int):
-        stream = await aclient.completions.create(**_request(i), stream=True)
-        text, tokens = "", []
-        async for chunk in stream:
-            for choice in chunk.choices:
-                text += choice.text
-                tokens += choice.logprobs.tokens if choice.logprobs else []
-        return text, tokens
-
-    async def run():
-        aclient = overlapped.async_client()
-        try:
-            return await asyncio.gather(*(one(aclient, i) for i in range(NUM_STREAMS)))
-        finally:
-            await aclient.close()
-
-    assert asyncio.run(run()) == sequential
+    concurrent = [(text, tokens) for text, tokens, _ in _concurrent(overlapped)]
+    assert concurrent == _sequential(client)
     with overlapped.client().completions.create(
         model=MODEL_NAME, prompt="Hello", max_tokens=900, stream=True,
         extra_body={"ignore_eos": True},
