@@ -55,8 +55,16 @@ for stage in $STAGES; do
               | tee "$OUT/profile_1b.txt" ;;
     gemv) python benchmarks/gemv_fused.py --json "$OUT/gemv.json" 2>&1 | grep -v wrong \
               | tail -12 | tee "$OUT/gemv.txt" ;;
-    blas) make_8b; python benchmarks/blas_buckets.py --model $MODEL8 2>&1 | tail -6 \
+    blas) make_8b; python benchmarks/graph_ab.py --model $MODEL8 --what blas 2>&1 | tail -6 \
               | tee "$OUT/blas.txt" ;;
+    gemv-ab) make_8b; python benchmarks/graph_ab.py --model $MODEL8 --what gemv --max-batch 8 \
+              2>&1 | tail -5 | tee "$OUT/gemv_ab.txt"
+      [ -f /tmp/noesis-bench/llama-1b/config.json ] || python -c "
+from pathlib import Path
+from make_random_checkpoint import make_checkpoint
+make_checkpoint(Path('/tmp/noesis-bench/llama-1b'), 'llama-1b', 'bfloat16', 8192, 0, True, 'cuda')"
+      python benchmarks/graph_ab.py --model /tmp/noesis-bench/llama-1b --what gemv \
+              --max-batch 8 2>&1 | tail -5 | tee -a "$OUT/gemv_ab.txt" ;;
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
               --hf-compile llama-8b --json "$OUT/decode_8b_hf.json" 2>&1 | tail -10 \
               | tee "$OUT/decode_8b_hf.txt" ;;

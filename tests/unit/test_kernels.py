@@ -152,3 +152,12 @@ def test_bitmask_kernel_matches_the_torch_unpacking():
     expected = logits.masked_fill(bits[:, :vocab] == 0, float("-inf"))
     got = triton_kernels.apply_token_bitmask_(logits.clone().to(DEVICE), words.to(DEVICE))
     assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(40, 96), (8, 512), (3, 1030)])
+def test_one_row_gemv_matches_linear(out_features, in_features):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    expected = torch.nn.functional.linear(x, weight)
+    assert rel_err(triton_kernels.gemv(x, weight), expected) < 1e-6

@@ -41,6 +41,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return weight * normed.to(dtype), x
 
 
+ONE_ROW_GEMV = True  # benchmarks flip it to compare against cuBLAS in one process
+
+
+def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
+    """proj(x) for the output projection: one row of a half-precision model on CUDA (batch-1
+    decode) through a Triton GEMV, which beats cuBLAS's split-K kernels on these square
+    matrices; anything else through the module."""
+    if (ONE_ROW_GEMV and x.shape[0] == 1 and type(proj) is torch.nn.Linear
+            and proj.bias is None and x.dtype != torch.float32 and use_triton(x)
+            and proj.weight.is_contiguous()):
+        return _triton().gemv(x, proj.weight)
+    return proj(x)
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Grammar mask into the logits in place, one Triton kernel (CUDA only)."""
     return _triton().apply_token_bitmask_(logits, bitmask)

@@ -55,7 +55,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = attention.rope_and_store(q, k, v, cos, sin, kv_cache, meta)
         out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return ops.row_projection(out.reshape(tokens, self.q_size), self.o_proj)
 
 
 class GatedMLP(nn.Module):

@@ -1,0 +1,72 @@
+"""Decode graph replay time per captured batch bucket under two settings, in one process: the
+graphs are captured under each setting in turn (twice, alternating, to show the noise) and
+replayed with events.
+
+    python benchmarks/graph_ab.py --model /tmp/noesis-bench/llama-8b --what blas
+    python benchmarks/graph_ab.py --model /tmp/noesis-bench/llama-1b --what gemv --max-batch 8
+
+`blas`: cuBLAS against cuBLASLt as torch's BLAS library. `gemv`: the one-row Triton GEMV for
+the output projection (`ops.ONE_ROW_GEMV`) on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def replay_ms(graph, reps: int = 10) -> float:
+    graph.replay()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def settings(what: str) -> dict:
+    from noesis.kernels import ops
+
+    if what == "blas":
+        return {name: lambda name=name: torch.backends.cuda.preferred_blas_library(name)
+                for name in ("cublas", "cublaslt")}
+    return {f"gemv {state}": lambda on=on: setattr(ops, "ONE_ROW_GEMV", on)
+            for state, on in (("on", True), ("off", False))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--what", choices=["blas", "gemv"], default="blas")
+    parser.add_argument("--max-batch", type=int, default=128)
+    args = parser.parse_args()
+    from noesis.engine.engine import Engine, EngineConfig
+
+    engine = Engine(args.model, EngineConfig(device="cuda", max_num_seqs=args.max_batch,
+                                             max_model_len=4096, cuda_graphs=False,
+                                             progress=False))
+    variants = settings(args.what)
+    rows: dict[str, list[dict[int, float]]] = {name: [] for name in variants}
+    for name in list(variants) * 2:
+        variants[name]()
+        engine.runner.capture_graphs(args.max_batch)
+        graphs = engine.runner.graphs
+        rows[name].append({b: replay_ms(g) for b, g in sorted(graphs.graphs.items())})
+        engine.runner.graphs = None
+        torch.cuda.empty_cache()
+    buckets = sorted(next(iter(rows.values()))[0])
+    print("bucket    " + " ".join(f"{b:>6}" for b in buckets))
+    for name, runs in rows.items():
+        for run in runs:
+            print(f"{name:<10}" + " ".join(f"{run[b]:6.3f}" for b in buckets), flush=True)
+
+
+if __name__ == "__main__":
+    main()
