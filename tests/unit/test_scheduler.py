@@ -176,3 +176,55 @@ def test_request_larger_than_pool_is_refused():
     sched = make_scheduler(num_pages=2, page_size=4)
     with pytest.raises(OutOfKVCache, match="KV pages"):
         sched.add(make_seq(0, 6, max_tokens=8))
+
+
+# ---- overlapped steps: advance when launched, resolve when read back ------------------------------
+
+
+def test_a_pending_token_is_planned_before_it_is_known():
+    sched = make_scheduler()
+    seq = make_seq(0, prompt_len=5, max_tokens=3)
+    sched.add(seq)
+    first = sched.schedule()
+    sched.advance(first)  # launched, not read back
+    assert seq.num_pending == 1 and seq.num_tokens == 6 and len(seq.token_ids) == 5
+    second = sched.schedule()  # planned on the pending token
+    [item] = second.scheduled
+    assert item.num_tokens == 1 and item.samples and seq.num_computed == 5
+    sched.advance(second)
+    assert seq.num_pending == 2 and seq.num_output == 2
+    # the third token would reach max_len: nothing more to plan until the reads come back
+    sched.advance(third := sched.schedule())
+    assert seq.num_tokens == seq.max_len and not sched.schedule().scheduled
+    for plan, token in ((first, 20), (second, 21), (third, 22)):
+        sched.resolve(plan, {seq.seq_id: token})
+    assert seq.token_ids[5:] == [20, 21, 22] and seq.finish_reason is FinishReason.LENGTH
+    assert sched.allocator.num_free == sched.allocator.num_pages
+
+
+def test_a_stop_read_back_drops_the_token_planned_after_it():
+    sched = make_scheduler()
+    seq = make_seq(0, prompt_len=4)
+    sched.add(seq)
+    first = sched.schedule()
+    sched.advance(first)
+    second = sched.schedule()
+    sched.advance(second)
+    assert sched.resolve(first, {seq.seq_id: EOS}) == [seq]
+    assert seq.finish_reason is FinishReason.STOP and seq.num_pending == 0
+    assert sched.resolve(second, {seq.seq_id: 33}) == []  # dropped: the sequence had stopped
+    assert seq.token_ids[4:] == [EOS]
+    assert sched.allocator.num_free == sched.allocator.num_pages
+
+
+def test_a_sequence_preempted_with_a_pending_token_waits_for_it():
+    sched = make_scheduler()
+    seq = make_seq(0, prompt_len=4)
+    sched.add(seq)
+    plan = sched.schedule()
+    sched.advance(plan)
+    sched._preempt(seq)  # as when another sequence needs its pages
+    assert not sched.schedule().scheduled  # not readmitted while its token is unknown
+    sched.resolve(plan, {seq.seq_id: 9})
+    readmitted = sched.schedule()
+    assert [i.num_tokens for i in readmitted.scheduled] == [5]  # recomputed with its token
