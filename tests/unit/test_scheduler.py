@@ -178,7 +178,7 @@ def test_request_larger_than_pool_is_refused():
         sched.add(make_seq(0, 6, max_tokens=8))
 
 
-# ---- overlapped steps: advance when launched, resolve when read back ------------------------------
+# ---- overlapped steps: advance when launched, resolve when read back -----------------------------
 
 
 def test_a_pending_token_is_planned_before_it_is_known():
