@@ -184,39 +184,53 @@ def graph_step_seconds(engine) -> float:
     return statistics.median(times[5:])
 
 
-def bench_transformers(path: Path, compile_: bool) -> dict:
+def bench_transformers(path: Path, compile_: bool, batches: list[int] = (),
+                       device: str = "cuda") -> dict:
+    """transformers' own generate on the same checkpoint: batch-1 decode tok/s, TTFT at 128 and
+    2,048 prompt tokens, decode throughput at `batches` (128-token prompts, 256 new tokens)."""
     import transformers
 
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    model = model.cuda().eval()
+    model = model.to(device).eval()
     load = time.perf_counter() - t0
-    ids = torch.tensor([prompt_ids(128)], device="cuda")
     kwargs = {"do_sample": False, "pad_token_id": 0}
     if compile_:  # a static cache makes transformers compile the forward itself
         kwargs["cache_implementation"] = "static"
 
-    def run(new):
-        torch.cuda.synchronize()
+    def run(prompts, new):
+        ids = torch.tensor(prompts, device=device)
+        sync()
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
-        torch.cuda.synchronize()
-        assert out.shape[1] == 128 + new
+        sync()
+        assert out.shape == (len(prompts), len(prompts[0]) + new)
         return time.perf_counter() - start
 
+    def timed(prompts, new, repeats=1):
+        # A static cache is sized by the batch and the generation's length, so each new shape
+        # compiles again (the first session's 10.6 tok/s "static+compile" figure timed such a
+        # recompilation): every shape runs once untimed first.
+        run(prompts, new)
+        return statistics.median(run(prompts, new) for _ in range(repeats))
+
+    p128, p2048 = [prompt_ids(128)], [prompt_ids(2048, 1)]
     t0 = time.perf_counter()
-    run(8)
+    run(p128, 8)
     first_result = time.perf_counter() - t0
-    # A static cache is sized by the generation's length, so each new length compiles again
-    # (the first session's 10.6 tok/s "static+compile" figure timed such a recompilation):
-    # every length runs once untimed first.
-    run(1)
-    ttft = statistics.median(run(1) for _ in range(3))
-    run(NEW_TOKENS)
-    total = run(NEW_TOKENS)
-    return {"load_s": load, "first_result_s": first_result, "ttft_128_ms": ttft * 1e3,
-            "decode_tok_s": (NEW_TOKENS - 1) / (total - ttft)}
+    ttft = timed(p128, 1, 3)
+    result = {"load_s": load, "first_result_s": first_result, "ttft_128_ms": ttft * 1e3,
+              "ttft_2048_ms": timed(p2048, 1, 3) * 1e3,
+              "decode_tok_s": (NEW_TOKENS - 1) / (timed(p128, NEW_TOKENS) - ttft),
+              "batches": {}}
+    for batch in batches:
+        prompts = [prompt_ids(128, 100 + i) for i in range(batch)]
+        first, full = timed(prompts, 1), timed(prompts, NEW_TOKENS)
+        result["batches"][batch] = {"decode_tok_s": batch * (NEW_TOKENS - 1) / (full - first),
+                                    "total_tok_s": batch * NEW_TOKENS / full}
+    return result
 
 
 def guarded(fn, *args) -> dict:
@@ -239,12 +253,15 @@ def main() -> None:
     parser.add_argument("--batches", default="8,32,64,128", help="comma list; empty for none")
     parser.add_argument("--hf-compile", default="", help="shapes to also run with torch.compile")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--hf-batches", default="",
+                        help="batches to also run through transformers (each compiles again)")
     parser.add_argument("--blas", choices=["cublas", "cublaslt"],
                         help="torch's preferred BLAS library for the projections (experiment)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench"))
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "gpu_decode.json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
+    hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     bandwidth = copy_bandwidth()
@@ -260,11 +277,12 @@ def main() -> None:
         release_memory()
         print(json.dumps(entry["noesis"], indent=1), flush=True)
         if not args.no_hf:
-            entry["transformers eager"] = guarded(bench_transformers, path, False)
+            entry["transformers eager"] = guarded(bench_transformers, path, False, hf_batches)
             print("transformers eager", json.dumps(entry["transformers eager"]), flush=True)
             release_memory()
             if shape in args.hf_compile.split(","):
-                entry["transformers static+compile"] = guarded(bench_transformers, path, True)
+                entry["transformers static+compile"] = guarded(bench_transformers, path, True,
+                                                               hf_batches)
                 print("transformers static+compile",
                       json.dumps(entry["transformers static+compile"]), flush=True)
                 release_memory()
@@ -306,6 +324,10 @@ def print_table(report: dict) -> None:
                   f"{b['decode_tok_s_whole_runs']:.0f}, end-to-end {b['total_tok_s']:.0f} "
                   f"tok/s, steps graph/eager "
                   f"{b.get('graph_steps', '?')}/{b.get('eager_steps', '?')}")
+        for name, r in entry.items():
+            for batch, b in r.get("batches", {}).items() if name != "noesis" else ():
+                print(f"{'':<10}{name} batch {batch:>3}: decode {b['decode_tok_s']:>8.0f} "
+                      f"tok/s (whole 256-token runs), end-to-end {b['total_tok_s']:.0f} tok/s")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ from make_random_checkpoint import make_checkpoint
 make_checkpoint(Path('/tmp/noesis-bench/llama-1b'), 'llama-1b', 'bfloat16', 8192, 0, True, 'cuda')"
       python benchmarks/graph_ab.py --model /tmp/noesis-bench/llama-1b --what gemv \
               --max-batch 8 2>&1 | tail -5 | tee -a "$OUT/gemv_ab.txt" ;;
+    hf-full) python benchmarks/gpu_decode.py --shapes llama-1b,llama-8b --batches 8,32,64,128 \
+              --hf-compile llama-1b,llama-8b --hf-batches 8,32,64,128 \
+              --json "$OUT/decode_full.json" 2>&1 | tail -30 | tee "$OUT/decode_full.txt" ;;
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
               --hf-compile llama-8b --json "$OUT/decode_8b_hf.json" 2>&1 | tail -10 \
               | tee "$OUT/decode_8b_hf.txt" ;;
