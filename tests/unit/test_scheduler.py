@@ -181,12 +181,23 @@ def test_request_larger_than_pool_is_refused():
 # ---- overlapped steps: advance when launched, resolve when read back -----------------------------
 
 
-def test_a_pending_token_is_planned_before_it_is_known():
+def launch(sched: Scheduler):
+    """Plan a step and launch it: advanced, not read back."""
+    plan = sched.schedule()
+    sched.advance(plan)
+    return plan
+
+
+def one_running(prompt_len: int, max_tokens: int = 8) -> tuple[Scheduler, Sequence]:
     sched = make_scheduler()
-    seq = make_seq(0, prompt_len=5, max_tokens=3)
+    seq = make_seq(0, prompt_len, max_tokens)
     sched.add(seq)
-    first = sched.schedule()
-    sched.advance(first)  # launched, not read back
+    return sched, seq
+
+
+def test_a_pending_token_is_planned_before_it_is_known():
+    sched, seq = one_running(prompt_len=5, max_tokens=3)
+    first = launch(sched)
     assert seq.num_pending == 1 and seq.num_tokens == 6 and len(seq.token_ids) == 5
     second = sched.schedule()  # planned on the pending token
     [item] = second.scheduled
@@ -194,7 +205,7 @@ def test_a_pending_token_is_planned_before_it_is_known():
     sched.advance(second)
     assert seq.num_pending == 2 and seq.num_output == 2
     # the third token would reach max_len: nothing more to plan until the reads come back
-    sched.advance(third := sched.schedule())
+    third = launch(sched)
     assert seq.num_tokens == seq.max_len and not sched.schedule().scheduled
     for plan, token in ((first, 20), (second, 21), (third, 22)):
         sched.resolve(plan, {seq.seq_id: token})
@@ -203,13 +214,8 @@ def test_a_pending_token_is_planned_before_it_is_known():
 
 
 def test_a_stop_read_back_drops_the_token_planned_after_it():
-    sched = make_scheduler()
-    seq = make_seq(0, prompt_len=4)
-    sched.add(seq)
-    first = sched.schedule()
-    sched.advance(first)
-    second = sched.schedule()
-    sched.advance(second)
+    sched, seq = one_running(prompt_len=4)
+    first, second = launch(sched), launch(sched)
     assert sched.resolve(first, {seq.seq_id: EOS}) == [seq]
     assert seq.finish_reason is FinishReason.STOP and seq.num_pending == 0
     assert sched.resolve(second, {seq.seq_id: 33}) == []  # dropped: the sequence had stopped
@@ -218,11 +224,8 @@ def test_a_stop_read_back_drops_the_token_planned_after_it():
 
 
 def test_a_sequence_preempted_with_a_pending_token_waits_for_it():
-    sched = make_scheduler()
-    seq = make_seq(0, prompt_len=4)
-    sched.add(seq)
-    plan = sched.schedule()
-    sched.advance(plan)
+    sched, seq = one_running(prompt_len=4)
+    plan = launch(sched)
     sched._preempt(seq)  # as when another sequence needs its pages
     assert not sched.schedule().scheduled  # not readmitted while its token is unknown
     sched.resolve(plan, {seq.seq_id: 9})
