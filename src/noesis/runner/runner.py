@@ -275,9 +275,7 @@ class ModelRunner:
 def pending_sources(plan: StepPlan, previous: LaunchedStep | None) -> list[int] | None:
     """Per scheduled sequence, the row of `previous`'s sampled ids that holds the token it
     feeds, or -1 when its tokens are all known; None when nothing is pending."""
-    if not any(item.seq.num_computed >= len(item.seq.token_ids) for item in plan.scheduled):
-        return None
-    sources = []
+    sources, pending = [], False
     for item in plan.scheduled:
         seq = item.seq
         if seq.num_computed < len(seq.token_ids):
@@ -286,7 +284,8 @@ def pending_sources(plan: StepPlan, previous: LaunchedStep | None) -> list[int] 
         if item.num_tokens != 1 or previous is None or seq.seq_id not in previous.row_of:
             raise RuntimeError(f"sequence {seq.seq_id} feeds a token no launched step samples")
         sources.append(previous.row_of[seq.seq_id])
-    return sources
+        pending = True
+    return sources if pending else None
 
 
 def _padded(pages: list[int], length: int) -> list[int]:
