@@ -1,10 +1,15 @@
-"""Single-row projections (batch-1 decode): cuBLAS against a Triton GEMV that can fuse what
-precedes the projection (add + RMSNorm before qkv and gate_up, SiLU-and-multiply before down),
-on the Llama-3.1-8B and Llama-3.2-1B shapes. Every figure is timed inside a CUDA graph (20 calls
-per graph), as the decode step runs: timed from Python, a Triton launch costs tens of
-microseconds and hides the kernel.
+"""Batch-1 decode blocks, unfused against fused, on the Llama-3.1-8B and Llama-3.2-1B shapes.
 
-    python benchmarks/gemv_fused.py [--json out.json]
+Unfused is what the engine runs with `ops.ONE_ROW_FUSION` off: add+RMSNorm, cuBLAS qkv, RoPE+KV
+write, the one-row o_proj GEMV, add+RMSNorm, cuBLAS gate_up, SiLU-mul, cuBLAS down (with its
+split-K reduction). Fused is DecoderLayer.forward_one_row: `norm_qkv_rope_store`, `gemv` with the
+residual, `norm_glu`, `gemv` with the residual. Each fused kernel is swept over (rows per
+program, K tile, warps, stages); then a whole layer less its attention is timed both ways with
+the best configs. Every figure is timed inside a CUDA graph over 4 layers' weights in turn, so
+no weight stays in L2 (timed from Python, a Triton launch costs tens of microseconds and hides
+the kernel).
+
+    python benchmarks/gemv_fused.py [--shapes llama-8b,llama-1b] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -14,134 +19,157 @@ import itertools
 import json
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
 from graph_timing import graph_us  # benchmarks/ is on sys.path when run as a script
 
-PLAIN, NORM, SILU = 0, 1, 2
+from noesis.kernels import triton_kernels as tk
 
-
-@triton.jit
-def _gemv(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, res_ptr, N, eps, K: tl.constexpr,
-          PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    inv = 1.0
-    if PROLOGUE == 1:  # rms of x + r over the whole row; program 0 writes the new residual
-        sq = tl.zeros([BLOCK_K], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            v = tl.load(x_ptr + cols) + tl.load(r_ptr + cols)
-            if pid == 0:
-                tl.store(res_ptr + cols, v)
-            v32 = v.to(tl.float32)
-            sq += v32 * v32
-        inv = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
-        if PROLOGUE == 0:
-            xv = tl.load(x_ptr + cols).to(tl.float32)
-        elif PROLOGUE == 1:
-            v = (tl.load(x_ptr + cols) + tl.load(r_ptr + cols)).to(tl.float32)
-            xv = (tl.load(nw_ptr + cols) * (v * inv).to(DTYPE)).to(tl.float32)
-        else:
-            g = tl.load(x_ptr + cols).to(tl.float32)
-            u = tl.load(x_ptr + K + cols)
-            xv = ((g / (1.0 + tl.exp(-g))).to(DTYPE) * u).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0)
-        acc += w.to(tl.float32) * xv[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, 1).to(DTYPE), mask=row_ok)
-
-
-def gemv(prologue, x, weight, r=None, norm_weight=None, config=(16, 512, 4, 3)):
-    n, k = weight.shape
-    block_n, block_k, warps, stages = config
-    y = torch.empty(n, device=x.device, dtype=x.dtype)
-    res = torch.empty(k, device=x.device, dtype=x.dtype) if prologue == NORM else y
-    _gemv[(triton.cdiv(n, block_n),)](
-        x, r if r is not None else x, norm_weight if norm_weight is not None else x, weight, y,
-        res, n, 1e-5, K=k, PROLOGUE=prologue, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
-    )
-    return y
-
-
-def reference(prologue, x, weight, r=None, norm_weight=None):
-    from noesis.kernels import ops
-
-    if prologue == NORM:
-        x, _ = ops.add_rms_norm(x[None], r[None], norm_weight, 1e-5)
-        x = x[0]
-    elif prologue == SILU:
-        x = ops.silu_mul(x[None])[0]
-    return torch.nn.functional.linear(x[None], weight)[0]
-
-
-SHAPES = {  # name: (N, K, prologue); weights of 4 layers rotate so the cache never holds them
-    "8b qkv": (6144, 4096, NORM), "8b o": (4096, 4096, PLAIN),
-    "8b gate_up": (28672, 4096, NORM), "8b down": (4096, 14336, SILU),
-    "1b qkv": (3072, 2048, NORM), "1b o": (2048, 2048, PLAIN),
-    "1b gate_up": (16384, 2048, NORM), "1b down": (2048, 8192, SILU),
+SHAPES = {
+    "llama-8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128),
+    "llama-1b": dict(hidden=2048, inter=8192, heads=32, kv_heads=8, head_dim=64),
 }
+LAYERS = 4
+DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU smoke run (TRITON_INTERPRET=1): cpu, float32
+EPS = 1e-5
+
+
+class Layers:
+    """Random bf16 weights of LAYERS decoder layers, one token's inputs, and a paged cache."""
+
+    def __init__(self, hidden, inter, heads, kv_heads, head_dim) -> None:
+        def rand(*shape, scale=0.02):
+            return torch.randn(*shape, device=DEVICE, dtype=DTYPE) * scale
+
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        qkv_rows = (heads + 2 * kv_heads) * head_dim
+        self.weights = [
+            dict(qkv=rand(qkv_rows, hidden), o=rand(hidden, heads * head_dim),
+                 gate_up=rand(2 * inter, hidden), down=rand(hidden, inter),
+                 norm1=rand(hidden, scale=0.1) + 1, norm2=rand(hidden, scale=0.1) + 1)
+            for _ in range(LAYERS)
+        ]
+        self.hidden, self.residual = rand(1, hidden, scale=1.0), rand(1, hidden, scale=1.0)
+        self.stream = self.hidden + self.residual  # what the fused path carries between blocks
+        self.attn = rand(1, heads * head_dim, scale=1.0)
+        self.act = rand(1, inter, scale=1.0)
+        angles = torch.rand(1, head_dim // 2, device=DEVICE) * 6
+        self.cos = torch.cat([angles.cos()] * 2, -1)
+        self.sin = torch.cat([angles.sin()] * 2, -1)
+        self.slots = torch.tensor([37], device=DEVICE)
+        self.kv = torch.zeros(2, 8, 16, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+        self.split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+    # the unfused kernels, as the engine runs them at batch 1 (o and down leave the residual add
+    # to the next add+RMSNorm)
+    def qkv_unfused(self, w, hidden=None, residual=None):
+        normed, _ = tk.add_rms_norm(self.hidden if hidden is None else hidden,
+                                    self.residual if residual is None else residual,
+                                    w["norm1"], EPS)
+        qkv = F.linear(normed, w["qkv"])
+        d = self.head_dim
+        q, k, v = (t.view(1, -1, d) for t in qkv.split(self.split, -1))
+        tk.rope_write_kv(q, k, v, self.cos, self.sin, self.slots, self.kv[0], self.kv[1])
+        return qkv  # rotated in place
+
+    def o_unfused(self, w):
+        return tk.gemv(self.attn, w["o"])
+
+    def gate_up_unfused(self, w):
+        normed, _ = tk.add_rms_norm(self.hidden, self.residual, w["norm2"], EPS)
+        return tk.silu_mul(F.linear(normed, w["gate_up"]))
+
+    def down_unfused(self, w):
+        return F.linear(self.act, w["down"])
+
+    # the fused kernels; config None takes triton_kernels.ROW_GEMV_CONFIGS
+    def qkv_fused(self, w, config=None, stream=None):
+        return tk.norm_qkv_rope_store(self.stream if stream is None else stream, w["norm1"], EPS,
+                                      w["qkv"], self.heads, self.kv_heads, self.cos, self.sin,
+                                      self.slots, self.kv[0], self.kv[1], config=config)
+
+    def o_fused(self, w, config=None, stream=None):
+        return tk.gemv(self.attn, w["o"], self.residual if stream is None else stream,
+                       config=config)
+
+    def gate_up_fused(self, w, config=None, stream=None):
+        return tk.norm_glu(self.stream if stream is None else stream, w["norm2"], EPS,
+                           w["gate_up"], config=config)
+
+    def down_fused(self, w, config=None, stream=None):
+        return tk.gemv(self.act, w["down"], self.residual if stream is None else stream,
+                       config=config)
+
+    def layer(self, fused: bool, configs: dict) -> None:
+        """LAYERS layers less their attention: the four projections and what surrounds them."""
+        hidden, residual, stream = self.hidden, self.residual, self.stream
+        for w in self.weights:
+            if fused:
+                self.qkv_fused(w, configs["qkv"], stream)
+                stream = self.o_fused(w, configs["o"], stream)
+                act = self.gate_up_fused(w, configs["gate_up"], stream)
+                stream = self.down_fused(w, configs["down"], stream)
+            else:
+                self.qkv_unfused(w, hidden, residual)
+                normed, residual = tk.add_rms_norm(tk.gemv(self.attn, w["o"]), residual,
+                                                   w["norm2"], EPS)
+                act = tk.silu_mul(F.linear(normed, w["gate_up"]))
+                hidden = F.linear(act, w["down"])
+
+
+def reference_error(layers: Layers, name: str, config) -> float:
+    """Relative error of the fused kernel against the unfused steps (residual added back)."""
+    w = layers.weights[0]
+    want = getattr(layers, f"{name}_unfused")(w).float()
+    if name in ("o", "down"):
+        want = (want.to(DTYPE) + layers.residual).float()
+    got = getattr(layers, f"{name}_fused")(w, config).float()
+    return float((got - want).norm() / want.norm())
+
+
+def sweep(layers: Layers, name: str, quick: bool) -> dict:
+    rows = (4, 8) if quick else (2, 4, 8, 16)
+    grid = itertools.product(rows, (512,) if quick else (256, 512, 1024), (4, 8), (3, 4))
+    unfused = getattr(layers, f"{name}_unfused")
+    fused = getattr(layers, f"{name}_fused")
+    base = graph_us(lambda: [unfused(w) for w in layers.weights]) / LAYERS
+    best = {"us": float("inf")}
+    for config in grid:
+        if name == "qkv" and (layers.head_dim // 2) % config[0]:
+            continue
+        error = reference_error(layers, name, config)
+        if error > 2e-2:
+            print(f"  {name} {config}: wrong (relative error {error:.3g})")
+            continue
+        us = graph_us(lambda c=config: [fused(w, c) for w in layers.weights]) / LAYERS
+        if us < best["us"]:
+            best = {"us": us, "config": list(config), "error": error}
+    return {"unfused_us": base, "fused_us": best["us"], "config": best.get("config"),
+            "error": best.get("error")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="llama-8b,llama-1b")
+    parser.add_argument("--quick", action="store_true", help="a smaller config grid")
     parser.add_argument("--json")
     args = parser.parse_args()
-    configs = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (3, 4)))
-    results = {}
-    for name, (n, k, prologue) in SHAPES.items():
-        layers = 4
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(layers)]
-        width = 2 * k if prologue == SILU else k
-        x = torch.randn(width, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-        extra = (r, nw) if prologue == NORM else ()
-        expected = reference(prologue, x, weights[0], *extra).float()
-
-        def cublas(p=prologue, x=x, extra=extra, weights=weights):
-            for w in weights:
-                reference(p, x, w, *extra)
-
-        base = graph_us(cublas) / layers
-        plain_x = x[:k].contiguous()
-
-        def gemm_only(x=plain_x, weights=weights):
-            for w in weights:
-                torch.nn.functional.linear(x[None], w)
-
-        gemm = graph_us(gemm_only) / layers
-        best = (float("inf"), None)
-        for config in configs:
-            got = gemv(prologue, x, weights[0], *extra, config=config).float()
-            if (got - expected).norm() / expected.norm() > 2e-2:
-                print(name, config, "wrong", float((got - expected).norm() / expected.norm()))
-                continue
-
-            def fused(c=config, p=prologue, x=x, extra=extra, weights=weights):
-                for w in weights:
-                    gemv(p, x, w, *extra, config=c)
-
-            us = graph_us(fused) / layers
-            if us < best[0]:
-                best = (us, config)
-        nbytes = n * k * 2
-        results[name] = {"cublas_us": base, "cublas_gemm_only_us": gemm, "triton_us": best[0],
-                         "config": best[1],
-                         "cublas_TBps": nbytes / base / 1e6, "triton_TBps": nbytes / best[0] / 1e6}
-        print(f"{name:<12} cuBLAS(+op) {base:7.2f} us, GEMM alone {gemm:7.2f} us "
-              f"{nbytes / gemm / 1e6:5.2f} TB/s | "
-              f"Triton fused {best[0]:7.2f} us {nbytes / best[0] / 1e6:5.2f} TB/s {best[1]}",
-              flush=True)
+    report = {}
+    for shape in args.shapes.split(","):
+        layers = Layers(**SHAPES[shape])
+        entry = report[shape] = {}
+        for name in ("qkv", "o", "gate_up", "down"):
+            entry[name] = result = sweep(layers, name, args.quick)
+            print(f"{shape} {name:<8} unfused {result['unfused_us']:7.2f} us | fused "
+                  f"{result['fused_us']:7.2f} us {result['config']}", flush=True)
+        best = {name: tuple(entry[name]["config"]) for name in ("qkv", "o", "gate_up", "down")}
+        for fused in (False, True, False, True):  # alternating, to show the noise
+            us = graph_us(lambda f=fused, ls=layers, c=best: ls.layer(f, c), reps=5) / LAYERS
+            entry.setdefault("layer_fused_us" if fused else "layer_unfused_us", []).append(us)
+        print(f"{shape} layer less attention: unfused {entry['layer_unfused_us']} us, fused "
+              f"{entry['layer_fused_us']} us (best configs)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,20 @@ from pathlib import Path
 from make_random_checkpoint import make_checkpoint
 make_checkpoint(Path('$MODEL8'), 'llama-8b', 'bfloat16', 8192, 0, False, 'cuda')"
 }
+MODEL1=/tmp/noesis-bench/llama-1b
+make_1b() {
+  [ -f "$MODEL1/config.json" ] || python -c "
+from pathlib import Path
+from make_random_checkpoint import make_checkpoint
+make_checkpoint(Path('$MODEL1'), 'llama-1b', 'bfloat16', 8192, 0, True, 'cuda')"
+}
+graph_ab() {  # $1: what to compare; both shapes, buckets up to 8
+  make_8b; make_1b
+  for model in $MODEL8 $MODEL1; do
+    python benchmarks/graph_ab.py --model $model --what $1 --max-batch 8 2>&1 | tail -5 \
+      | tee -a "$OUT/$1_ab.txt"
+  done
+}
 for stage in $STAGES; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -55,18 +69,12 @@ for stage in $STAGES; do
               | tee "$OUT/profile.txt" ;;
     profile-1b) python benchmarks/profile_decode.py --shape llama-1b 2>&1 | tail -45 \
               | tee "$OUT/profile_1b.txt" ;;
-    gemv) python benchmarks/gemv_fused.py --json "$OUT/gemv.json" 2>&1 | grep -v wrong \
-              | tail -12 | tee "$OUT/gemv.txt" ;;
     blas) make_8b; python benchmarks/graph_ab.py --model $MODEL8 --what blas 2>&1 | tail -6 \
               | tee "$OUT/blas.txt" ;;
-    gemv-ab) make_8b; python benchmarks/graph_ab.py --model $MODEL8 --what gemv --max-batch 8 \
-              2>&1 | tail -5 | tee "$OUT/gemv_ab.txt"
-      [ -f /tmp/noesis-bench/llama-1b/config.json ] || python -c "
-from pathlib import Path
-from make_random_checkpoint import make_checkpoint
-make_checkpoint(Path('/tmp/noesis-bench/llama-1b'), 'llama-1b', 'bfloat16', 8192, 0, True, 'cuda')"
-      python benchmarks/graph_ab.py --model /tmp/noesis-bench/llama-1b --what gemv \
-              --max-batch 8 2>&1 | tail -5 | tee -a "$OUT/gemv_ab.txt" ;;
+    gemv-ab) graph_ab gemv ;;
+    fusion) python benchmarks/gemv_fused.py --json "$OUT/fusion.json" 2>&1 | grep -v wrong \
+              | tail -12 | tee "$OUT/fusion.txt"
+      graph_ab fusion ;;
     hf-full) python benchmarks/gpu_decode.py --shapes llama-1b,llama-8b --batches 8,32,64,128 \
               --hf-compile llama-1b,llama-8b --hf-batches 8,32,64,128 \
               --json "$OUT/decode_full.json" 2>&1 | tail -30 | tee "$OUT/decode_full.txt" ;;

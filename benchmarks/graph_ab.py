@@ -6,7 +6,8 @@ replayed with events.
     python benchmarks/graph_ab.py --model /tmp/noesis-bench/llama-1b --what gemv --max-batch 8
 
 `blas`: cuBLAS against cuBLASLt as torch's BLAS library. `gemv`: the one-row Triton GEMV for
-the output projection (`ops.ONE_ROW_GEMV`) on and off.
+the output projection (`ops.ONE_ROW_GEMV`) on and off. `fusion`: the fused one-row decoder block
+(`ops.ONE_ROW_FUSION`, DecoderLayer.forward_one_row) on and off; only bucket 1 uses it.
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ def settings(what: str) -> dict:
     if what == "blas":
         return {name: lambda name=name: torch.backends.cuda.preferred_blas_library(name)
                 for name in ("cublas", "cublaslt")}
-    return {f"gemv {state}": lambda on=on: setattr(ops, "ONE_ROW_GEMV", on)
+    flag = {"gemv": "ONE_ROW_GEMV", "fusion": "ONE_ROW_FUSION"}[what]
+    return {f"{what} {state}": lambda on=on: setattr(ops, flag, on)
             for state, on in (("on", True), ("off", False))}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--what", choices=["blas", "gemv"], default="blas")
+    parser.add_argument("--what", choices=["blas", "gemv", "fusion"], default="blas")
     parser.add_argument("--max-batch", type=int, default=128)
     args = parser.parse_args()
     from noesis.engine.engine import Engine, EngineConfig

@@ -200,3 +200,65 @@ def test_overlapped_steps_equal_synchronous(checkpoint, graphs):
     engine = overlapped.engine
     assert not engine.has_unfinished()
     assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+@pytest.mark.parametrize(("hidden", "head_dim"), [(4096, 128), (2048, 64)])  # 8B and 1B heads
+def test_fused_one_row_kernels_match_the_unfused_ones_compiled(hidden, head_dim):
+    from noesis.kernels import triton_kernels as tk
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16) * scale
+
+    heads, kv_heads, inter = hidden // head_dim, 8, 3 * hidden
+    stream, norm = rand(1, hidden), rand(hidden, scale=0.1) + 1
+    qkv_w = rand((heads + 2 * kv_heads) * head_dim, hidden, scale=hidden**-0.5)
+    angles = torch.rand(1, head_dim // 2, device="cuda", generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slots = torch.tensor([21], device="cuda")
+    kv_fused = torch.zeros(2, 4, 16, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    kv_ref = kv_fused.clone()
+
+    def close(got, want, tol=1e-2):
+        return float((got.float() - want.float()).norm() / want.float().norm()) < tol
+
+    got = tk.norm_qkv_rope_store(stream, norm, 1e-5, qkv_w, heads, kv_heads, cos, sin, slots,
+                                 kv_fused[0], kv_fused[1])
+    normed, _ = tk.add_rms_norm(stream, None, norm, 1e-5)
+    want = torch.nn.functional.linear(normed, qkv_w)
+    q, k, v = (t.view(1, -1, head_dim) for t in want.split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1))
+    tk.rope_write_kv(q, k, v, cos, sin, slots, kv_ref[0], kv_ref[1])
+    assert close(got, want) and close(kv_fused, kv_ref)
+    gate_up, down = rand(2 * inter, hidden, scale=hidden**-0.5), rand(hidden, inter, scale=0.02)
+    act = tk.norm_glu(stream, norm, 1e-5, gate_up)
+    assert close(act, tk.silu_mul(torch.nn.functional.linear(normed, gate_up)))
+    assert close(tk.gemv(act, down, stream), torch.nn.functional.linear(act, down) + stream)
+
+
+def test_fused_one_row_decoder_matches_the_unfused_one(checkpoint, monkeypatch):
+    """Batch-1 decode through DecoderLayer.forward_one_row (graphs and eager) against the
+    unfused blocks: same greedy tokens while the top two are apart, logprobs within bf16
+    rounding."""
+    from noesis import SamplingParams
+    from noesis.kernels import ops, triton_kernels
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    monkeypatch.setattr(ops, "ONE_ROW_FUSION", False)
+    want = make_llm(checkpoint).generate([PROMPTS[2]], params)[0]
+    monkeypatch.setattr(ops, "ONE_ROW_FUSION", True)
+    launches = []
+    fused_qkv = triton_kernels.norm_qkv_rope_store
+    monkeypatch.setattr(triton_kernels, "norm_qkv_rope_store",
+                        lambda *a, **k: launches.append(1) or fused_qkv(*a, **k))
+    for graphs in (True, False):
+        got = make_llm(checkpoint, cuda_graphs=graphs).generate([PROMPTS[2]], params)[0]
+        assert launches, "the fused path did not run"
+        for step, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
+            top = sorted(want.logprobs[step].values(), reverse=True)
+            if a != b:
+                assert top[0] - top[1] < 0.1, f"step {step}: diverged on a clear margin"
+                break
+            assert abs(got.logprobs[step][a] - want.logprobs[step][b]) < 0.05, step
+        launches.clear()

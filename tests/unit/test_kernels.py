@@ -161,3 +161,85 @@ def test_one_row_gemv_matches_linear(out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
     expected = torch.nn.functional.linear(x, weight)
     assert rel_err(triton_kernels.gemv(x, weight), expected) < 1e-6
+    residual = torch.randn(1, out_features, generator=gen)
+    with_residual = triton_kernels.gemv(x, weight, residual)
+    assert rel_err(with_residual, expected + residual) < 1e-6
+
+
+def one_row_inputs(width, rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, width, generator=gen) * 3
+    norm_weight = torch.rand(width, generator=gen) + 0.5
+    weight = torch.randn(rows, width, generator=gen) / width**0.5
+    normed, _ = ops.add_rms_norm(x, None, norm_weight, 1e-5)  # CPU: the torch reference
+    return x, norm_weight, weight, normed
+
+
+@pytest.mark.parametrize("width", [96, 1030])  # K ragged against the 512-wide tiles
+def test_norm_glu_matches_norm_linear_silu_mul(width):
+    x, norm_weight, gate_up, normed = one_row_inputs(width, 2 * 72, seed=5)
+    expected = ops.silu_mul(torch.nn.functional.linear(normed, gate_up))
+    got = triton_kernels.norm_glu(x, norm_weight, 1e-5, gate_up)
+    assert got.shape == (1, 72) and rel_err(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize(("head_dim", "rows"), [(16, 8), (64, 8), (8, 4)])
+def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
+    heads, kv_heads, page_size, slot = 4, 2, 4, 13
+    x, norm_weight, qkv_weight, normed = one_row_inputs(
+        96, (heads + 2 * kv_heads) * head_dim, seed=6
+    )
+    angles = torch.randn(1, head_dim // 2, generator=torch.Generator().manual_seed(7))
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    q, k, v = torch.nn.functional.linear(normed, qkv_weight).split([q_size, kv_size, kv_size], -1)
+    q = apply_rotary(q.view(1, heads, head_dim), cos, sin)
+    k = apply_rotary(k.view(1, kv_heads, head_dim), cos, sin)
+    kv = torch.zeros(2, 5, page_size, kv_heads, head_dim)
+    config = (rows, *triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.QKV][1:])
+    got = triton_kernels.norm_qkv_rope_store(
+        x, norm_weight, 1e-5, qkv_weight, heads, kv_heads, cos, sin, torch.tensor([slot]),
+        kv[0], kv[1], config=config,
+    )
+    expected = torch.cat([q.flatten(), k.flatten(), v.flatten()])[None]
+    assert rel_err(got, expected) < 1e-5
+    flat = kv.view(2, -1, kv_heads, head_dim)
+    assert rel_err(flat[0, slot], k[0]) < 1e-5
+    assert rel_err(flat[1, slot], v.view(kv_heads, -1)) < 1e-5
+    flat[:, slot] = 0
+    assert flat.abs().sum() == 0  # nothing else written
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_one_row_decoder_generates_what_the_unfused_one_does(tmp_path, monkeypatch, family):
+    """The whole model with DecoderLayer.forward_one_row on every one-row step (decode at batch
+    1, and the prefill of a one-token prompt): same greedy tokens and logprobs as the unfused
+    blocks. qwen2's q/k/v biases keep it on the unfused path."""
+    from checkpoints import build_checkpoint
+
+    from noesis import LLM, SamplingParams
+
+    path = build_checkpoint(tmp_path / family, family)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = [[0, 5, 9, 77, 31], [3]]
+
+    def run():
+        llm = LLM(str(path), device="cpu", dtype="float32", progress=False)
+        return llm, [llm.generate([p], params)[0] for p in prompts]
+
+    _, want = run()
+    launches = []
+    fused_qkv = triton_kernels.norm_qkv_rope_store
+    monkeypatch.setattr(ops, "one_row_fusion", lambda x: x.shape[0] == 1)  # on the CPU too
+    monkeypatch.setattr(triton_kernels, "norm_qkv_rope_store",
+                        lambda *a, **k: launches.append(1) or fused_qkv(*a, **k))
+    llm, got = run()
+    fusable = family != "qwen2"
+    assert llm.engine.runner.model.fuse_one_row == fusable
+    # 2 layers x (9 decode steps + the one-token prefill) when fused, none otherwise
+    assert len(launches) == (2 * (2 * 9 + 1) if fusable else 0)
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-4 for t in la)

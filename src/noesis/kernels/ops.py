@@ -41,7 +41,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return weight * normed.to(dtype), x
 
 
-ONE_ROW_GEMV = True  # benchmarks flip it to compare against cuBLAS in one process
+ONE_ROW_GEMV = True  # benchmarks flip these to compare against cuBLAS in one process
+# Off until timed on the GPU (`STAGES=fusion bash benchmarks/gpu_session.sh`): written and
+# checked against the unfused blocks under Triton's interpreter, not yet compiled or measured.
+ONE_ROW_FUSION = False
+
+
+def one_row_fusion(x: torch.Tensor) -> bool:
+    """Whether a decoder block over x [T, D] runs as four fused one-row Triton projections
+    (DecoderLayer.forward_one_row): a single token of a half-precision model on CUDA."""
+    return ONE_ROW_FUSION and x.shape[0] == 1 and x.dtype != torch.float32 and use_triton(x)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None):
+    """x [1, K] @ weight^T (+ residual), one Triton program per few output rows."""
+    return _triton().gemv(x, weight, residual)
+
+
+def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor):
+    """silu(gate) * up of rms_norm(x) for one row, in one Triton kernel."""
+    return _triton().norm_glu(x, norm_weight, eps, gate_up)
+
+
+def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
+                        kv_cache):
+    """rms_norm(x) through the fused qkv projection, q and k rotated, k and v written to the
+    paged cache [2, pages, page_size, Hkv, d] at slots[0]: one Triton kernel for one token."""
+    return _triton().norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads,
+                                         cos, sin, slots, kv_cache[0], kv_cache[1])
 
 
 def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:

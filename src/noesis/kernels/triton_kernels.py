@@ -300,37 +300,154 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# ---- one-row projection --------------------------------------------------------------------------
+# ---- one-row projections, with what surrounds them fused (batch-1 decode) -----------------------
+
+PLAIN, GLU, QKV = 0, 1, 2  # _row_gemv modes
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _row_gemv(
+    x_ptr, norm_ptr, w_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    N, eps, stride_slot, stride_cache_head,
+    K: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+):
+    """y = W @ f(x) for one row x [K], ROWS output rows per program (two blocks of them, PAIR
+    rows apart, in the GLU and QKV modes), the whole of K in BLOCK_K tiles, no split-K.
+
+    NORM: f is RMSNorm with weight norm_ptr, recomputed by every program (x is a few KB, read
+    from L2). PLAIN: y = W f(x), plus res when RESIDUAL. GLU: W is [gate | up], PAIR = I
+    apart; y [I] = silu(gate) * up. QKV: W is [q heads | k heads | v heads]; a program takes
+    ROWS rows from each half of one head (PAIR = HEAD_DIM / 2), rotates q and k with cos/sin
+    [HEAD_DIM / 2], and stores k and v at the cache slot as well as in y.
+
+    Every value is rounded to the model dtype where the unfused kernels round it."""
+    DTYPE: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    if MODE == QKV:
+        BLOCKS_PER_HEAD: tl.constexpr = HEAD_DIM // 2 // ROWS
+        head = pid // BLOCKS_PER_HEAD
+        j = (pid % BLOCKS_PER_HEAD) * ROWS + tl.arange(0, ROWS)
+        rows = head * HEAD_DIM + j
+    else:
+        rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    rstd = 1.0
+    if NORM:
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            squares += v * v
+        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    acc_pair = tl.zeros([ROWS, BLOCK_K], tl.float32)
     for k in range(0, K, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        xv = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * xv[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+        col_ok = cols < K  # K is constexpr: the mask keeps loads vectorized
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+        if NORM:
+            normed = (x.to(tl.float32) * rstd).to(DTYPE)
+            x = (tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                 * normed.to(tl.float32)).to(DTYPE)
+        xf = x.to(tl.float32)[None, :]
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        acc += tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=tile_ok,
+                       other=0.0).to(tl.float32) * xf
+        if MODE != PLAIN:
+            acc_pair += tl.load(w_ptr + (rows + PAIR)[:, None] * K + cols[None, :],
+                                mask=tile_ok, other=0.0).to(tl.float32) * xf
+    y = tl.sum(acc, 1).to(DTYPE)
+    if MODE == PLAIN:
+        if RESIDUAL:
+            y = y + tl.load(res_ptr + rows, mask=row_ok, other=0.0)
+        tl.store(y_ptr + rows, y, mask=row_ok)
+    elif MODE == GLU:
+        gate = y.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE)
+        tl.store(y_ptr + rows, act * tl.sum(acc_pair, 1).to(DTYPE), mask=row_ok)
+    else:
+        pair = tl.sum(acc_pair, 1).to(DTYPE)
+        first, second = y, pair
+        if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: rotate, rounding as _rope_write does
+            cos = tl.load(cos_ptr + j).to(DTYPE)
+            sin = tl.load(sin_ptr + j).to(DTYPE)
+            first = (y * cos).to(DTYPE) - (pair * sin).to(DTYPE)
+            second = (pair * cos).to(DTYPE) + (y * sin).to(DTYPE)
+        tl.store(y_ptr + rows, first)
+        tl.store(y_ptr + rows + PAIR, second)
+        if head >= NUM_HEADS:
+            slot = tl.load(slot_ptr)
+            if head < NUM_HEADS + NUM_KV_HEADS:
+                dst = k_cache_ptr + slot * stride_slot + (head - NUM_HEADS) * stride_cache_head
+            else:
+                dst = (v_cache_ptr + slot * stride_slot
+                       + (head - NUM_HEADS - NUM_KV_HEADS) * stride_cache_head)
+            tl.store(dst + j, first)
+            tl.store(dst + j + PAIR, second)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ weight[N, K]^T -> [1, N] without split-K: eight output rows per program, the
-    whole row of K in 512-wide tiles. Timed in CUDA graphs on an H200 (benchmarks/gemv_fused.py):
-    o_proj of Llama-3.1-8B 11.4 us against cuBLAS's 13.2, of Llama-3.2-1B 3.1 against 5.0."""
+# (rows per program, K tile, warps, pipeline stages) per mode; benchmarks/gemv_fused.py times
+# the choices inside CUDA graphs.
+ROW_GEMV_CONFIGS = {PLAIN: (8, 512, 8, 4), GLU: (4, 512, 8, 4), QKV: (8, 512, 8, 4)}
+
+
+def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0,
+                     residual=None, pair=0, rope=None, heads=(0, 0, 0)):
+    rows, block_k, warps, stages = config or ROW_GEMV_CONFIGS[mode]
     n, k = weight.shape
-    assert x.shape == (1, k) and weight.is_contiguous()
-    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    _gemv[(triton.cdiv(n, 8),)](
-        x.contiguous(), weight, y, n, K=k, BLOCK_N=8, BLOCK_K=min(512, triton.next_power_of_2(k)),
-        num_warps=8, num_stages=4,
+    assert x.shape == (1, k) and x.is_contiguous() and weight.is_contiguous()
+    cos, sin, slots, k_cache, v_cache = rope or (x, x, x, x, x)
+    _row_gemv[(programs(rows),)](
+        x, norm if norm is not None else x, weight, y,
+        residual if residual is not None else x, cos, sin, slots, k_cache, v_cache,
+        y.shape[-1], eps, k_cache.stride(0) if rope else 0, k_cache.stride(1) if rope else 0,
+        K=k, MODE=mode, NORM=norm is not None, RESIDUAL=residual is not None, ROWS=rows,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)), PAIR=pair, HEAD_DIM=heads[2],
+        NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1], num_warps=warps, num_stages=stages,
     )
     return y
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+         config=None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T (+ residual [1, N]) -> [1, N], without split-K. In CUDA graphs
+    on an H200 (benchmarks/gemv_fused.py): o_proj of Llama-3.1-8B 11.4 us against cuBLAS's
+    13.2, of Llama-3.2-1B 3.1 against 5.0."""
+    y = torch.empty(1, weight.shape[0], device=x.device, dtype=x.dtype)
+    return _launch_row_gemv(PLAIN, x, weight, y, lambda rows: triton.cdiv(y.shape[1], rows),
+                            config, residual=residual)
+
+
+def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+             config=None) -> torch.Tensor:
+    """silu(gate) * up of rms_norm(x) for one row x [1, K] and gate_up [2I, K] -> [1, I]."""
+    half = gate_up.shape[0] // 2
+    y = torch.empty(1, half, device=x.device, dtype=x.dtype)
+    return _launch_row_gemv(GLU, x, gate_up, y, lambda rows: triton.cdiv(half, rows), config,
+                            norm=norm_weight, eps=eps, pair=half)
+
+
+def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
+                        k_cache, v_cache, config=None) -> torch.Tensor:
+    """The fused qkv projection of rms_norm(x) for one token x [1, K], q and k rotated (cos/sin
+    [1, head_dim], equal halves), k and v stored at cache slot slots[0] (caches [pages,
+    page_size, Hkv, d]). Returns qkv [1, (H + 2 Hkv) d], rotated."""
+    heads = num_heads + 2 * num_kv_heads
+    head_dim = qkv.shape[0] // heads
+    half = head_dim // 2
+    rows = (config or ROW_GEMV_CONFIGS[QKV])[0]
+    assert half % rows == 0 and cos.shape[-1] == head_dim and slots.numel() >= 1
+    assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1
+    assert v_cache.stride()[:2] == k_cache.stride()[:2]
+    y = torch.empty(1, qkv.shape[0], device=x.device, dtype=x.dtype)
+    return _launch_row_gemv(
+        QKV, x, qkv, y, lambda rows: heads * (half // rows), config, norm=norm_weight, eps=eps,
+        pair=half, rope=(cos, sin, slots, k_cache.view(-1, *k_cache.shape[2:]),
+                         v_cache.view(-1, *v_cache.shape[2:])),
+        heads=(num_heads, num_kv_heads, head_dim),
+    )
 
 
 # ---- RoPE + KV-cache write ----------------------------------------------------------------------

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from noesis.kernels import ops
 from noesis.models.config import ModelConfig
-from noesis.models.layers import Attention, GatedMLP, RMSNorm
+from noesis.models.layers import Attention, GatedMLP, RMSNorm, fusable_one_row
 
 
 class DecoderLayer(nn.Module):
@@ -27,6 +28,13 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(normed, cos, sin, kv_cache, meta, attention)
         normed, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(normed), residual
+
+    def forward_one_row(self, stream, cos, sin, kv_cache, meta, attention):
+        """The same block for one token, on the whole residual stream in and out: four fused
+        Triton projections and the attention, seven launches where forward makes twelve."""
+        stream = self.self_attn.forward_one_row(stream, self.input_layernorm, cos, sin,
+                                                kv_cache, meta, attention)
+        return self.mlp.forward_one_row(stream, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
@@ -53,11 +61,17 @@ class DecoderLM(nn.Module):
             from noesis.ternary.linear import use_ternary_projections
 
             use_ternary_projections(self, config)
+        self.fuse_one_row = fusable_one_row(config, self)
 
     def forward(self, input_ids, cos, sin, kv_caches, meta, attention):
-        """Returns (hidden, residual) [T, D]; their sum is the final residual stream."""
+        """Returns (hidden, residual) [T, D]; their sum is the final residual stream (residual
+        is None when hidden is that stream, as the fused one-row path returns it)."""
         hidden = self.model.embed_tokens(input_ids)  # [T, D]
         residual = None
+        if self.fuse_one_row and ops.one_row_fusion(hidden):  # batch-1 decode on CUDA
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                hidden = layer.forward_one_row(hidden, cos, sin, kv_cache, meta, attention)
+            return hidden, residual
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, attention)
         return hidden, residual

@@ -45,17 +45,31 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, kv_cache, meta, attention) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._split_heads(self.qkv_proj(x))
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = attention.rope_and_store(q, k, v, cos, sin, kv_cache, meta)
         out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return ops.row_projection(out.reshape(tokens, self.q_size), self.o_proj)
+        return ops.row_projection(out.reshape(x.shape[0], self.q_size), self.o_proj)
+
+    def forward_one_row(self, stream, norm: RMSNorm, cos, sin, kv_cache, meta, attention):
+        """stream + attention(norm(stream)) for one token: norm, qkv, RoPE and the cache write
+        in one kernel, the output projection and the residual add in another."""
+        qkv = ops.norm_qkv_rope_store(
+            stream, norm.weight, norm.eps, self.qkv_proj.weight, self.num_heads,
+            self.num_kv_heads, cos, sin, meta.slot_mapping, kv_cache,
+        )
+        q, k, v = self._split_heads(qkv)
+        out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return ops.gemv(out.reshape(1, self.q_size), self.o_proj.weight, residual=stream)
+
+    def _split_heads(self, qkv: torch.Tensor):
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(tokens, self.num_heads, self.head_dim),
+                k.view(tokens, self.num_kv_heads, self.head_dim),
+                v.view(tokens, self.num_kv_heads, self.head_dim))
 
 
 class GatedMLP(nn.Module):
@@ -73,3 +87,19 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
+    def forward_one_row(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """stream + mlp(norm(stream)) for one token: norm, gate/up and SiLU-multiply in one
+        kernel, down and the residual add in another."""
+        act = ops.norm_glu(stream, norm.weight, norm.eps, self.gate_up_proj.weight)
+        return ops.gemv(act, self.down_proj.weight, residual=stream)
+
+
+def fusable_one_row(config: ModelConfig, model: nn.Module) -> bool:
+    """Whether the decoder's blocks can take the fused one-row path: plain bias-free linear
+    projections, no q/k norm, rotary over the whole head."""
+    linears = [m for name, m in model.named_modules()
+               if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
+    rotary = config.rope.rotary_dim or config.head_dim
+    return (all(type(m) is nn.Linear and m.bias is None for m in linears)
+            and not config.qk_norm and rotary == config.head_dim and config.head_dim % 2 == 0)

@@ -164,7 +164,8 @@ class ModelRunner:
         if not inputs.sample_rows.numel():
             return None
         rows = inputs.sample_rows
-        return self.model.compute_logits(hidden[rows], residual[rows])  # [B, V]
+        residual = residual[rows] if residual is not None else None  # None: hidden is the sum
+        return self.model.compute_logits(hidden[rows], residual)  # [B, V]
 
     def prepare(self, plan: StepPlan, previous: LaunchedStep | None = None) -> ForwardInputs:
         token_ids, positions, slots, sample_rows, rope_lengths = [], [], [], [], []
