@@ -10,6 +10,8 @@ no weight stays in L2 (timed from Python, a Triton launch costs tens of microsec
 the kernel).
 
     python benchmarks/gemv_fused.py [--shapes llama-8b,llama-1b] [--quick] [--json out.json]
+
+The JSON's best configs load into the engine with `graph_ab.py --what fusion --tuned out.json`.
 """
 
 from __future__ import annotations
@@ -126,9 +128,12 @@ def reference_error(layers: Layers, name: str, config) -> float:
     return float((got - want).norm() / want.norm())
 
 
+MODES = {"qkv": tk.QKV, "o": tk.PLAIN, "gate_up": tk.GLU, "down": tk.PLAIN}
+
+
 def sweep(layers: Layers, name: str, quick: bool) -> dict:
     rows = (4, 8) if quick else (2, 4, 8, 16)
-    grid = itertools.product(rows, (512,) if quick else (256, 512, 1024), (4, 8), (3, 4))
+    grid = itertools.product(rows, (512,) if quick else (256, 512), (4, 8), (4,))
     unfused = getattr(layers, f"{name}_unfused")
     fused = getattr(layers, f"{name}_fused")
     base = graph_us(lambda: [unfused(w) for w in layers.weights]) / LAYERS
@@ -143,8 +148,9 @@ def sweep(layers: Layers, name: str, quick: bool) -> dict:
         us = graph_us(lambda c=config: [fused(w, c) for w in layers.weights]) / LAYERS
         if us < best["us"]:
             best = {"us": us, "config": list(config), "error": error}
-    return {"unfused_us": base, "fused_us": best["us"], "config": best.get("config"),
-            "error": best.get("error")}
+    n, k = layers.weights[0][name].shape
+    return {"mode": MODES[name], "n": n, "k": k, "unfused_us": base, "fused_us": best["us"],
+            "config": best.get("config"), "error": best.get("error")}
 
 
 def main() -> None:

@@ -25,10 +25,10 @@ from pathlib import Path
 from make_random_checkpoint import make_checkpoint
 make_checkpoint(Path('$MODEL1'), 'llama-1b', 'bfloat16', 8192, 0, True, 'cuda')"
 }
-graph_ab() {  # $1: what to compare; both shapes, buckets up to 8
+graph_ab() {  # $1: what to compare, then graph_ab.py options; both shapes, buckets up to 8
   make_8b; make_1b
   for model in $MODEL8 $MODEL1; do
-    python benchmarks/graph_ab.py --model $model --what $1 --max-batch 8 2>&1 | tail -5 \
+    python benchmarks/graph_ab.py --model $model --what "$@" --max-batch 8 2>&1 | tail -6 \
       | tee -a "$OUT/$1_ab.txt"
   done
 }
@@ -74,10 +74,13 @@ for stage in $STAGES; do
     gemv-ab) graph_ab gemv ;;
     fusion) python benchmarks/gemv_fused.py --json "$OUT/fusion.json" 2>&1 | grep -v wrong \
               | tail -12 | tee "$OUT/fusion.txt"
-      graph_ab fusion ;;
-    hf-full) python benchmarks/gpu_decode.py --shapes llama-1b,llama-8b --batches 8,32,64,128 \
-              --hf-compile llama-1b,llama-8b --hf-batches 8,32,64,128 \
-              --json "$OUT/decode_full.json" 2>&1 | tail -30 | tee "$OUT/decode_full.txt" ;;
+      graph_ab fusion --tuned "$OUT/fusion.json" ;;
+    hf-full-1b|hf-full-8b)  # one shape per call: each takes most of a 600 s call
+      shape=llama-${stage#hf-full-}
+      python benchmarks/gpu_decode.py --shapes $shape --batches 8,32,64,128 \
+        --hf-compile $shape --hf-batches 8,32,64,128 --json "$OUT/decode_full_$shape.json" \
+        > "$OUT/decode_full_$shape.log" 2>&1
+      tail -14 "$OUT/decode_full_$shape.log" ;;
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
               --hf-compile llama-8b --json "$OUT/decode_8b_hf.json" 2>&1 | tail -10 \
               | tee "$OUT/decode_8b_hf.txt" ;;

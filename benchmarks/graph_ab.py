@@ -4,6 +4,7 @@ replayed with events.
 
     python benchmarks/graph_ab.py --model /tmp/noesis-bench/llama-8b --what blas
     python benchmarks/graph_ab.py --model /tmp/noesis-bench/llama-1b --what gemv --max-batch 8
+    python benchmarks/graph_ab.py --model M --what fusion --max-batch 8 --tuned fusion.json
 
 `blas`: cuBLAS against cuBLASLt as torch's BLAS library. `gemv`: the one-row Triton GEMV for
 the output projection (`ops.ONE_ROW_GEMV`) on and off. `fusion`: the fused one-row decoder block
@@ -13,6 +14,7 @@ the output projection (`ops.ONE_ROW_GEMV`) on and off. `fusion`: the fused one-r
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import torch
@@ -43,12 +45,29 @@ def settings(what: str) -> dict:
             for state, on in (("on", True), ("off", False))}
 
 
+def load_tuned(path: str) -> None:
+    """Every shape's best one-row kernel configs from gemv_fused.py, keyed by weight shape."""
+    from noesis.kernels import triton_kernels
+
+    with open(path) as f:
+        report = json.load(f)
+    for kernels in report.values():
+        for result in kernels.values():
+            if isinstance(result, dict) and result.get("config"):
+                key = (result["mode"], result["n"], result["k"])
+                triton_kernels.ROW_GEMV_TUNED[key] = tuple(result["config"])
+    print("tuned one-row configs:", triton_kernels.ROW_GEMV_TUNED, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--what", choices=["blas", "gemv", "fusion"], default="blas")
     parser.add_argument("--max-batch", type=int, default=128)
+    parser.add_argument("--tuned", help="gemv_fused.py's JSON: its best one-row configs")
     args = parser.parse_args()
+    if args.tuned:
+        load_tuned(args.tuned)
     from noesis.engine.engine import Engine, EngineConfig
 
     engine = Engine(args.model, EngineConfig(device="cuda", max_num_seqs=args.max_batch,

@@ -388,14 +388,20 @@ def _row_gemv(
             tl.store(dst + j + PAIR, second)
 
 
-# (rows per program, K tile, warps, pipeline stages) per mode; benchmarks/gemv_fused.py times
-# the choices inside CUDA graphs.
+# (rows per program, K tile, warps, pipeline stages): per mode, and per (mode, N, K) where a
+# weight shape was tuned (benchmarks/gemv_fused.py sweeps them inside CUDA graphs and writes
+# what it found; graph_ab.py --tuned loads that).
 ROW_GEMV_CONFIGS = {PLAIN: (8, 512, 8, 4), GLU: (4, 512, 8, 4), QKV: (8, 512, 8, 4)}
+ROW_GEMV_TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+def row_gemv_config(mode: int, weight: torch.Tensor) -> tuple[int, int, int, int]:
+    return ROW_GEMV_TUNED.get((mode, *weight.shape), ROW_GEMV_CONFIGS[mode])
 
 
 def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0,
                      residual=None, pair=0, rope=None, heads=(0, 0, 0)):
-    rows, block_k, warps, stages = config or ROW_GEMV_CONFIGS[mode]
+    rows, block_k, warps, stages = config or row_gemv_config(mode, weight)
     n, k = weight.shape
     assert x.shape == (1, k) and x.is_contiguous() and weight.is_contiguous()
     cos, sin, slots, k_cache, v_cache = rope or (x, x, x, x, x)
@@ -437,7 +443,7 @@ def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, 
     heads = num_heads + 2 * num_kv_heads
     head_dim = qkv.shape[0] // heads
     half = head_dim // 2
-    rows = (config or ROW_GEMV_CONFIGS[QKV])[0]
+    rows = (config or row_gemv_config(QKV, qkv))[0]
     assert half % rows == 0 and cos.shape[-1] == head_dim and slots.numel() >= 1
     assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1
     assert v_cache.stride()[:2] == k_cache.stride()[:2]
