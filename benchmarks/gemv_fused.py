@@ -7,7 +7,7 @@ residual, `norm_glu`, `gemv` with the residual. Each fused kernel is swept over 
 program, K tile, warps, stages); then a whole layer less its attention is timed both ways with
 the best configs. Every figure is timed inside a CUDA graph over 4 layers' weights in turn, so
 no weight stays in L2 (timed from Python, a Triton launch costs tens of microseconds and hides
-the kernel).
+the kernel). The final norm with the LM head (`norm_logits`) is swept too, once per step.
 
     python benchmarks/gemv_fused.py [--shapes llama-8b,llama-1b] [--quick] [--json out.json]
 
@@ -31,6 +31,7 @@ SHAPES = {
     "llama-1b": dict(hidden=2048, inter=8192, heads=32, kv_heads=8, head_dim=64),
 }
 LAYERS = 4
+VOCAB = 128256
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU smoke run (TRITON_INTERPRET=1): cpu, float32
 EPS = 1e-5
 
@@ -47,7 +48,8 @@ class Layers:
         self.weights = [
             dict(qkv=rand(qkv_rows, hidden), o=rand(hidden, heads * head_dim),
                  gate_up=rand(2 * inter, hidden), down=rand(hidden, inter),
-                 norm1=rand(hidden, scale=0.1) + 1, norm2=rand(hidden, scale=0.1) + 1)
+                 norm1=rand(hidden, scale=0.1) + 1, norm2=rand(hidden, scale=0.1) + 1,
+                 lm_head=rand(VOCAB, hidden))
             for _ in range(LAYERS)
         ]
         self.hidden, self.residual = rand(1, hidden, scale=1.0), rand(1, hidden, scale=1.0)
@@ -83,6 +85,10 @@ class Layers:
     def down_unfused(self, w):
         return F.linear(self.act, w["down"])
 
+    def lm_head_unfused(self, w):
+        normed, _ = tk.add_rms_norm(self.hidden, self.residual, w["norm1"], EPS)
+        return F.linear(normed, w["lm_head"]).float()
+
     # the fused kernels; config None takes triton_kernels.ROW_GEMV_CONFIGS
     def qkv_fused(self, w, config=None, stream=None):
         return tk.norm_qkv_rope_store(self.stream if stream is None else stream, w["norm1"], EPS,
@@ -100,6 +106,9 @@ class Layers:
     def down_fused(self, w, config=None, stream=None):
         return tk.gemv(self.act, w["down"], self.residual if stream is None else stream,
                        config=config)
+
+    def lm_head_fused(self, w, config=None):
+        return tk.norm_logits(self.stream, w["norm1"], EPS, w["lm_head"], config=config)
 
     def layer(self, fused: bool, configs: dict) -> None:
         """LAYERS layers less their attention: the four projections and what surrounds them."""
@@ -128,7 +137,7 @@ def reference_error(layers: Layers, name: str, config) -> float:
     return float((got - want).norm() / want.norm())
 
 
-MODES = {"qkv": tk.QKV, "o": tk.PLAIN, "gate_up": tk.GLU, "down": tk.PLAIN}
+MODES = {"qkv": tk.QKV, "o": tk.PLAIN, "gate_up": tk.GLU, "down": tk.PLAIN, "lm_head": tk.PLAIN}
 
 
 def sweep(layers: Layers, name: str, quick: bool) -> dict:
@@ -163,7 +172,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         layers = Layers(**SHAPES[shape])
         entry = report[shape] = {}
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in MODES:
             entry[name] = result = sweep(layers, name, args.quick)
             print(f"{shape} {name:<8} unfused {result['unfused_us']:7.2f} us | fused "
                   f"{result['fused_us']:7.2f} us {result['config']}", flush=True)
@@ -173,6 +182,8 @@ def main() -> None:
             entry.setdefault("layer_fused_us" if fused else "layer_unfused_us", []).append(us)
         print(f"{shape} layer less attention: unfused {entry['layer_unfused_us']} us, fused "
               f"{entry['layer_fused_us']} us (best configs)", flush=True)
+        del layers
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

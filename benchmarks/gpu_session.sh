@@ -73,8 +73,8 @@ for stage in $STAGES; do
               | tee "$OUT/blas.txt" ;;
     gemv-ab) graph_ab gemv ;;
     fusion) python benchmarks/gemv_fused.py --json "$OUT/fusion.json" 2>&1 | grep -v wrong \
-              | tail -12 | tee "$OUT/fusion.txt"
-      graph_ab fusion --tuned "$OUT/fusion.json" ;;
+              | tail -14 | tee "$OUT/fusion.txt" ;;
+    fusion-ab) graph_ab fusion --tuned "${TUNED:-$OUT/fusion.json}" ;;  # TUNED: an earlier sweep
     hf-full-1b|hf-full-8b)  # one shape per call: each takes most of a 600 s call
       shape=llama-${stage#hf-full-}
       python benchmarks/gpu_decode.py --shapes $shape --batches 8,32,64,128 \

@@ -235,6 +235,10 @@ def test_fused_one_row_kernels_match_the_unfused_ones_compiled(hidden, head_dim)
     act = tk.norm_glu(stream, norm, 1e-5, gate_up)
     assert close(act, tk.silu_mul(torch.nn.functional.linear(normed, gate_up)))
     assert close(tk.gemv(act, down, stream), torch.nn.functional.linear(act, down) + stream)
+    head = rand(5000, hidden, scale=hidden**-0.5)
+    logits = tk.norm_logits(stream, norm, 1e-5, head)
+    assert logits.dtype == torch.float32
+    assert close(logits, torch.nn.functional.linear(normed, head).float())
 
 
 def test_fused_one_row_decoder_matches_the_unfused_one(checkpoint, monkeypatch):

@@ -183,6 +183,13 @@ def test_norm_glu_matches_norm_linear_silu_mul(width):
     assert got.shape == (1, 72) and rel_err(got, expected) < 1e-5
 
 
+def test_norm_logits_matches_norm_and_lm_head():
+    x, norm_weight, head, normed = one_row_inputs(96, 300, seed=8)
+    got = triton_kernels.norm_logits(x, norm_weight, 1e-5, head)
+    assert got.dtype == torch.float32 and got.shape == (1, 300)
+    assert rel_err(got, torch.nn.functional.linear(normed, head)) < 1e-5
+
+
 @pytest.mark.parametrize(("head_dim", "rows"), [(16, 8), (64, 8), (8, 4)])
 def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
     heads, kv_heads, page_size, slot = 4, 2, 4, 13
@@ -230,15 +237,18 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(tmp_path, mon
 
     _, want = run()
     launches = []
-    fused_qkv = triton_kernels.norm_qkv_rope_store
     monkeypatch.setattr(ops, "one_row_fusion", lambda x: x.shape[0] == 1)  # on the CPU too
-    monkeypatch.setattr(triton_kernels, "norm_qkv_rope_store",
-                        lambda *a, **k: launches.append(1) or fused_qkv(*a, **k))
+    for name in ("norm_qkv_rope_store", "norm_logits"):
+        kernel = getattr(triton_kernels, name)
+        monkeypatch.setattr(triton_kernels, name, lambda *a, k=kernel, n=name, **kw:
+                            launches.append(n) or k(*a, **kw))
     llm, got = run()
     fusable = family != "qwen2"
     assert llm.engine.runner.model.fuse_one_row == fusable
-    # 2 layers x (9 decode steps + the one-token prefill) when fused, none otherwise
-    assert len(launches) == (2 * (2 * 9 + 1) if fusable else 0)
+    # per one-row step (9 decodes each, and the one-token prefill): 2 layers' qkv, 1 LM head
+    steps = 2 * 9 + 1 if fusable else 0
+    assert launches.count("norm_qkv_rope_store") == 2 * steps
+    assert launches.count("norm_logits") == steps
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):

@@ -58,6 +58,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = 
     return _triton().gemv(x, weight, residual)
 
 
+def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor):
+    """float32 logits of rms_norm(x) for one row: the final norm and the LM head in one kernel."""
+    return _triton().norm_logits(x, norm_weight, eps, weight)
+
+
 def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor):
     """silu(gate) * up of rms_norm(x) for one row, in one Triton kernel."""
     return _triton().norm_glu(x, norm_weight, eps, gate_up)

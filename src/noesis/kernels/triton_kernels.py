@@ -323,7 +323,7 @@ def _row_gemv(
     [HEAD_DIM / 2], and stores k and v at the cache slot as well as in y.
 
     Every value is rounded to the model dtype where the unfused kernels round it."""
-    DTYPE: tl.constexpr = y_ptr.dtype.element_ty
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model's; y may be float32 (logits)
     pid = tl.program_id(0)
     if MODE == QKV:
         BLOCKS_PER_HEAD: tl.constexpr = HEAD_DIM // 2 // ROWS
@@ -424,6 +424,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = 
     y = torch.empty(1, weight.shape[0], device=x.device, dtype=x.dtype)
     return _launch_row_gemv(PLAIN, x, weight, y, lambda rows: triton.cdiv(y.shape[1], rows),
                             config, residual=residual)
+
+
+def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                config=None) -> torch.Tensor:
+    """float32 logits [1, V] of rms_norm(x) for one row x [1, K] through the LM head [V, K],
+    rounded to the model dtype first as the unfused head's output is."""
+    y = torch.empty(1, weight.shape[0], device=x.device, dtype=torch.float32)
+    return _launch_row_gemv(PLAIN, x, weight, y, lambda rows: triton.cdiv(y.shape[1], rows),
+                            config, norm=norm_weight, eps=eps)
 
 
 def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,

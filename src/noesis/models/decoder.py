@@ -78,8 +78,11 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the chosen rows only: [B, D] -> [B, V] float32."""
-        hidden, _ = self.model.norm.add_forward(hidden, residual)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        norm = self.model.norm
+        if residual is None and self.fuse_one_row and ops.one_row_fusion(hidden):
+            return ops.norm_logits(hidden, norm.weight, norm.eps, weight)
+        hidden, _ = norm.add_forward(hidden, residual)
         return torch.nn.functional.linear(hidden, weight).float()
 
 
