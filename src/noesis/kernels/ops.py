@@ -42,9 +42,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 ONE_ROW_GEMV = True  # benchmarks flip these to compare against cuBLAS in one process
-# Off until timed on the GPU (`STAGES=fusion bash benchmarks/gpu_session.sh`): written and
-# checked against the unfused blocks under Triton's interpreter, not yet compiled or measured.
-ONE_ROW_FUSION = False
+# Off unless NOESIS_ONE_ROW_FUSION=1 until timed on the GPU (`STAGES="fusion fusion-ab" bash
+# benchmarks/gpu_session.sh`): checked against the unfused blocks under Triton's interpreter.
+ONE_ROW_FUSION = os.environ.get("NOESIS_ONE_ROW_FUSION") == "1"
 
 
 def one_row_fusion(x: torch.Tensor) -> bool:
