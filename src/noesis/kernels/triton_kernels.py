@@ -333,6 +333,7 @@ def _row_gemv(
     else:
         rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # 64-bit: an LM head can pass 2^31 elements
     rstd = 1.0
     if NORM:
         squares = tl.zeros([BLOCK_K], tl.float32)
@@ -353,11 +354,10 @@ def _row_gemv(
                  * normed.to(tl.float32)).to(DTYPE)
         xf = x.to(tl.float32)[None, :]
         tile_ok = row_ok[:, None] & col_ok[None, :]
-        acc += tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=tile_ok,
-                       other=0.0).to(tl.float32) * xf
+        acc += tl.load(w_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xf
         if MODE != PLAIN:
-            acc_pair += tl.load(w_ptr + (rows + PAIR)[:, None] * K + cols[None, :],
-                                mask=tile_ok, other=0.0).to(tl.float32) * xf
+            acc_pair += tl.load(w_rows + PAIR * K + cols[None, :], mask=tile_ok,
+                                other=0.0).to(tl.float32) * xf
     y = tl.sum(acc, 1).to(DTYPE)
     if MODE == PLAIN:
         if RESIDUAL:
