@@ -302,7 +302,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- one-row projections, with what surrounds them fused (batch-1 decode) -----------------------
 
-PLAIN, GLU, QKV = 0, 1, 2  # _row_gemv modes
+PLAIN, GLU, QKV = 0, 1, 2  # _row_gemv modes; a kernel reads only constexpr globals:
+_PLAIN, _GLU, _QKV = tl.constexpr(PLAIN), tl.constexpr(GLU), tl.constexpr(QKV)
 
 
 @triton.jit
@@ -325,7 +326,7 @@ def _row_gemv(
     Every value is rounded to the model dtype where the unfused kernels round it."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model's; y may be float32 (logits)
     pid = tl.program_id(0)
-    if MODE == QKV:
+    if MODE == _QKV:
         BLOCKS_PER_HEAD: tl.constexpr = HEAD_DIM // 2 // ROWS
         head = pid // BLOCKS_PER_HEAD
         j = (pid % BLOCKS_PER_HEAD) * ROWS + tl.arange(0, ROWS)
@@ -355,15 +356,15 @@ def _row_gemv(
         xf = x.to(tl.float32)[None, :]
         tile_ok = row_ok[:, None] & col_ok[None, :]
         acc += tl.load(w_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xf
-        if MODE != PLAIN:
+        if MODE != _PLAIN:
             acc_pair += tl.load(w_rows + PAIR * K + cols[None, :], mask=tile_ok,
                                 other=0.0).to(tl.float32) * xf
     y = tl.sum(acc, 1).to(DTYPE)
-    if MODE == PLAIN:
+    if MODE == _PLAIN:
         if RESIDUAL:
             y = y + tl.load(res_ptr + rows, mask=row_ok, other=0.0)
         tl.store(y_ptr + rows, y, mask=row_ok)
-    elif MODE == GLU:
+    elif MODE == _GLU:
         gate = y.to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE)
         tl.store(y_ptr + rows, act * tl.sum(acc_pair, 1).to(DTYPE), mask=row_ok)
