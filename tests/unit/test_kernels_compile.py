@@ -1,7 +1,8 @@
 """The one-row Triton kernels compiled for an H100/H200 (sm_90) on this CPU machine: Triton's
 interpreter (test_kernels.py) runs Python semantics and accepts code the compiler rejects (a
 kernel reading a non-constexpr global, for one), so each mode is also lowered to PTX and
-assembled with the ptxas that ships in the triton wheel, and must not spill registers.
+assembled with the ptxas that ships in the triton wheel. It must not spill registers, and must
+read the weights in 16-byte loads (given 16-byte aligned pointers, as the JIT specializes them).
 
 The compiles run in a child process: once the interpreter has run a kernel in a process, it
 leaves triton.language patched for itself."""
@@ -39,8 +40,9 @@ CASES = {
 }
 
 
-def compile_all() -> dict[str, str]:
-    """In the child: ptxas's report for each case, under the engine's default configs."""
+def compile_all() -> dict[str, dict]:
+    """In the child: ptxas's report and the PTX's 16-byte loads for each case, under the
+    engine's default configs."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -53,8 +55,9 @@ def compile_all() -> dict[str, str]:
             rows, block_k, warps, stages = tk.ROW_GEMV_CONFIGS[constants["MODE"]]
             constants = BLOCKS | constants | dict(ROWS=rows, BLOCK_K=block_k)
             signature = POINTERS | SCALARS | {"y_ptr": f"*{out}"}
+            aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(POINTERS))}
             source = ASTSource(tk._row_gemv, signature | dict.fromkeys(constants, "constexpr"),
-                               constants)
+                               constants, aligned)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                       options=dict(num_warps=warps, num_stages=stages))
             ptx = Path(tmp) / "kernel.ptx"
@@ -63,12 +66,13 @@ def compile_all() -> dict[str, str]:
                 [PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", Path(tmp) / "kernel.cubin"],
                 capture_output=True, text=True, check=True,
             )
-            reports[name] = done.stderr
+            reports[name] = {"ptxas": done.stderr,
+                             "v4_loads": len(re.findall(r"ld\.global\S*\.v4\.", ptx.read_text()))}
     return reports
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[str, str]:
+def reports() -> dict[str, dict]:
     if not PTXAS.exists():
         pytest.skip("this triton wheel has no ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -80,11 +84,15 @@ def reports() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_row_gemv_compiles_for_sm90_without_spills(reports, name):
-    report = reports[name]
+    report = reports[name]["ptxas"]
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = re.search(r"(\d+) bytes spill stores", report)
     assert registers <= 128, report
     assert spills is None or spills.group(1) == "0", report
+    # rows x K tile of bf16 weights over warps x 32 threads, 8 per 16-byte load (QKV and GLU
+    # read two such tiles)
+    mode = CASES[name][0]["MODE"]
+    assert reports[name]["v4_loads"] >= (2 if mode == PLAIN else 4)
 
 
 if __name__ == "__main__":
