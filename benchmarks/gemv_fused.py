@@ -141,8 +141,13 @@ MODES = {"qkv": tk.QKV, "o": tk.PLAIN, "gate_up": tk.GLU, "down": tk.PLAIN, "lm_
 
 
 def sweep(layers: Layers, name: str, quick: bool) -> dict:
+    # Triton does not software-pipeline these loads: the loads in flight are the tile's, so
+    # small matrices want wide K tiles or few rows per program (more programs)
     rows = (4, 8) if quick else (2, 4, 8, 16)
-    grid = itertools.product(rows, (512,) if quick else (256, 512), (4, 8), (4,))
+    tiles = (512, 1024) if quick else (512, 1024, 2048)
+    # at most 64 weights per thread per tile: more spills registers (ptxas, sm_90)
+    grid = [(r, t, w, 4) for r, t, w in itertools.product(rows, tiles, (4, 8))
+            if r * t <= 64 * 32 * w]
     unfused = getattr(layers, f"{name}_unfused")
     fused = getattr(layers, f"{name}_fused")
     base = graph_us(lambda: [unfused(w) for w in layers.weights]) / LAYERS

@@ -72,9 +72,12 @@ for stage in $STAGES; do
     blas) make_8b; python benchmarks/graph_ab.py --model $MODEL8 --what blas 2>&1 | tail -6 \
               | tee "$OUT/blas.txt" ;;
     gemv-ab) graph_ab gemv ;;
-    fusion) python benchmarks/gemv_fused.py --json "$OUT/fusion.json" 2>&1 | grep -v wrong \
-              | tail -14 | tee "$OUT/fusion.txt" ;;
-    fusion-ab) graph_ab fusion --tuned "${TUNED:-$OUT/fusion.json}" ;;  # TUNED: an earlier sweep
+    fusion-8b|fusion-1b)  # the one-row kernels' config sweep, one shape per stage
+      shape=llama-${stage#fusion-}
+      python benchmarks/gemv_fused.py --shapes $shape --json "$OUT/fusion_$shape.json" 2>&1 \
+        | grep -v wrong | tail -7 | tee -a "$OUT/fusion.txt" ;;
+    fusion-ab)  # TUNED: the sweeps' JSON files, comma-separated, when they ran in another call
+      graph_ab fusion --tuned "${TUNED:-$OUT/fusion_llama-8b.json,$OUT/fusion_llama-1b.json}" ;;
     hf-full-1b|hf-full-8b)  # one shape per call: each takes most of a 600 s call
       shape=llama-${stage#hf-full-}
       python benchmarks/gpu_decode.py --shapes $shape --batches 8,32,64,128 \

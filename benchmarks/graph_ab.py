@@ -45,12 +45,14 @@ def settings(what: str) -> dict:
             for state, on in (("on", True), ("off", False))}
 
 
-def load_tuned(path: str) -> None:
+def load_tuned(paths: str) -> None:
     """Every shape's best one-row kernel configs from gemv_fused.py, keyed by weight shape."""
     from noesis.kernels import triton_kernels
 
-    with open(path) as f:
-        report = json.load(f)
+    report = {}
+    for path in paths.split(","):
+        with open(path) as f:
+            report |= json.load(f)
     for kernels in report.values():
         for result in kernels.values():
             if isinstance(result, dict) and result.get("config"):
@@ -64,7 +66,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--what", choices=["blas", "gemv", "fusion"], default="blas")
     parser.add_argument("--max-batch", type=int, default=128)
-    parser.add_argument("--tuned", help="gemv_fused.py's JSON: its best one-row configs")
+    parser.add_argument("--tuned", help="gemv_fused.py's JSON files (comma list): the best "
+                        "one-row configs they found")
     args = parser.parse_args()
     if args.tuned:
         load_tuned(args.tuned)

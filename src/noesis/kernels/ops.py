@@ -42,8 +42,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 ONE_ROW_GEMV = True  # benchmarks flip these to compare against cuBLAS in one process
-# Off unless NOESIS_ONE_ROW_FUSION=1 until timed on the GPU (`STAGES="fusion fusion-ab" bash
-# benchmarks/gpu_session.sh`): checked against the unfused blocks under Triton's interpreter.
+# Off unless NOESIS_ONE_ROW_FUSION=1 until timed on the GPU (`STAGES="fusion-8b fusion-1b
+# fusion-ab" bash benchmarks/gpu_session.sh`): checked against the unfused blocks under Triton's
+# interpreter and compiled for sm_90 on the CPU (tests/unit/test_kernels_compile.py).
 ONE_ROW_FUSION = os.environ.get("NOESIS_ONE_ROW_FUSION") == "1"
 
 
