@@ -190,7 +190,8 @@ def test_norm_logits_matches_norm_and_lm_head():
     assert rel_err(got, torch.nn.functional.linear(normed, head)) < 1e-5
 
 
-@pytest.mark.parametrize(("head_dim", "rows"), [(16, 8), (64, 8), (8, 4)])
+# rows None: the default config, whose 8 rows per program shrink to fit a 4-wide half head
+@pytest.mark.parametrize(("head_dim", "rows"), [(16, 8), (64, 8), (8, 4), (8, None), (24, 8)])
 def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
     heads, kv_heads, page_size, slot = 4, 2, 4, 13
     x, norm_weight, qkv_weight, normed = one_row_inputs(
@@ -204,7 +205,7 @@ def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
     q = apply_rotary(q.view(1, heads, head_dim), cos, sin)
     k = apply_rotary(k.view(1, kv_heads, head_dim), cos, sin)
     kv = torch.zeros(2, 5, page_size, kv_heads, head_dim)
-    config = (rows, *triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.QKV][1:])
+    config = rows and (rows, *triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.QKV][1:])
     got = triton_kernels.norm_qkv_rope_store(
         x, norm_weight, 1e-5, qkv_weight, heads, kv_heads, cos, sin, torch.tensor([slot]),
         kv[0], kv[1], config=config,

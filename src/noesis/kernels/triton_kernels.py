@@ -7,6 +7,8 @@ tests run these kernels under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -453,8 +455,10 @@ def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, 
     heads = num_heads + 2 * num_kv_heads
     head_dim = qkv.shape[0] // heads
     half = head_dim // 2
-    rows = (config or row_gemv_config(QKV, qkv))[0]
-    assert half % rows == 0 and cos.shape[-1] == head_dim and slots.numel() >= 1
+    rows, *rest = config or row_gemv_config(QKV, qkv)
+    rows = math.gcd(rows, half)  # a program's rows stay inside a half head (a power of two)
+    config = (rows, *rest)
+    assert cos.shape[-1] == head_dim and slots.numel() >= 1
     assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1
     assert v_cache.stride()[:2] == k_cache.stride()[:2]
     y = torch.empty(1, qkv.shape[0], device=x.device, dtype=x.dtype)
