@@ -75,7 +75,7 @@ for stage in $STAGES; do
     fusion-8b|fusion-1b)  # the one-row kernels' config sweep, one shape per stage
       shape=llama-${stage#fusion-}
       python benchmarks/gemv_fused.py --shapes $shape --json "$OUT/fusion_$shape.json" 2>&1 \
-        | grep -v wrong | tail -7 | tee -a "$OUT/fusion.txt" ;;
+        | grep -v "wrong\|skipped" | tail -7 | tee -a "$OUT/fusion.txt" ;;
     fusion-ab)  # TUNED: the sweeps' JSON files, comma-separated, when they ran in another call
       graph_ab fusion --tuned "${TUNED:-$OUT/fusion_llama-8b.json,$OUT/fusion_llama-1b.json}" ;;
     hf-full-1b|hf-full-8b)  # one shape per call: each takes most of a 600 s call

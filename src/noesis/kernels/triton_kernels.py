@@ -313,11 +313,13 @@ def _row_gemv(
     x_ptr, norm_ptr, w_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     N, eps, stride_slot, stride_cache_head,
     K: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PAIR: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """y = W @ f(x) for one row x [K], ROWS output rows per program (two blocks of them, PAIR
     rows apart, in the GLU and QKV modes), the whole of K in BLOCK_K tiles, no split-K.
+    STAGES > 1 software-pipelines the tiles through shared memory (cp.async), so that many
+    tiles are in flight per thread; 1 issues each tile's loads when its iteration starts.
 
     NORM: f is RMSNorm with weight norm_ptr, recomputed by every program (x is a few KB, read
     from L2). PLAIN: y = W f(x), plus res when RESIDUAL. GLU: W is [gate | up], PAIR = I
@@ -347,7 +349,7 @@ def _row_gemv(
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
     acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
     acc_pair = tl.zeros([ROWS, BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         cols = k + tl.arange(0, BLOCK_K)
         col_ok = cols < K  # K is constexpr: the mask keeps loads vectorized
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
@@ -393,8 +395,9 @@ def _row_gemv(
 
 # (rows per program, K tile, warps, pipeline stages): per mode, and per (mode, N, K) where a
 # weight shape was tuned (benchmarks/gemv_fused.py sweeps them inside CUDA graphs and writes
-# what it found; graph_ab.py --tuned loads that).
-ROW_GEMV_CONFIGS = {PLAIN: (8, 512, 8, 4), GLU: (4, 512, 8, 4), QKV: (8, 512, 8, 4)}
+# what it found; graph_ab.py --tuned loads that). PLAIN's is the o_proj GEMV measured on an
+# H200 (before STAGES existed: its loop was not pipelined, as with 1 here).
+ROW_GEMV_CONFIGS = {PLAIN: (8, 512, 8, 1), GLU: (4, 512, 8, 1), QKV: (8, 512, 8, 1)}
 ROW_GEMV_TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 
@@ -413,8 +416,8 @@ def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0
         residual if residual is not None else x, cos, sin, slots, k_cache, v_cache,
         y.shape[-1], eps, k_cache.stride(0) if rope else 0, k_cache.stride(1) if rope else 0,
         K=k, MODE=mode, NORM=norm is not None, RESIDUAL=residual is not None, ROWS=rows,
-        BLOCK_K=min(block_k, triton.next_power_of_2(k)), PAIR=pair, HEAD_DIM=heads[2],
-        NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1], num_warps=warps, num_stages=stages,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)), STAGES=stages, PAIR=pair,
+        HEAD_DIM=heads[2], NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1], num_warps=warps,
     )
     return y
 
