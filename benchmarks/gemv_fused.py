@@ -7,7 +7,8 @@ residual, `norm_glu`, `gemv` with the residual. Each fused kernel is swept over 
 program, K tile, warps, stages); then a whole layer less its attention is timed both ways with
 the best configs. Every figure is timed inside a CUDA graph over 4 layers' weights in turn, so
 no weight stays in L2 (timed from Python, a Triton launch costs tens of microseconds and hides
-the kernel). The final norm with the LM head (`norm_logits`) is swept too, once per step.
+the kernel). The final norm with the LM head (`norm_logits`) is swept too, once per step. The
+fused layer is also timed with programmatic dependent launch (`triton_kernels.PDL`).
 
     python benchmarks/gemv_fused.py [--shapes llama-8b,llama-1b] [--quick] [--json out.json]
 
@@ -188,11 +189,15 @@ def main() -> None:
             print(f"{shape} {name:<8} unfused {result['unfused_us']:7.2f} us | fused "
                   f"{result['fused_us']:7.2f} us {result['config']}", flush=True)
         best = {name: tuple(entry[name]["config"]) for name in ("qkv", "o", "gate_up", "down")}
-        for fused in (False, True, False, True):  # alternating, to show the noise
+        variants = {"layer_unfused_us": (False, False), "layer_fused_us": (True, False),
+                    "layer_fused_pdl_us": (True, True)}
+        for key, (fused, pdl) in [*variants.items()] * 2:  # alternating, to show the noise
+            tk.PDL = pdl
             us = graph_us(lambda f=fused, ls=layers, c=best: ls.layer(f, c), reps=5) / LAYERS
-            entry.setdefault("layer_fused_us" if fused else "layer_unfused_us", []).append(us)
-        print(f"{shape} layer less attention: unfused {entry['layer_unfused_us']} us, fused "
-              f"{entry['layer_fused_us']} us (best configs)", flush=True)
+            entry.setdefault(key, []).append(us)
+        tk.PDL = False
+        print(f"{shape} layer less attention (best configs), us: "
+              + ", ".join(f"{key[6:-3]} {entry[key]}" for key in variants), flush=True)
         del layers
         torch.cuda.empty_cache()
     if args.json:

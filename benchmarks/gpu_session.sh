@@ -76,8 +76,8 @@ for stage in $STAGES; do
       shape=llama-${stage#fusion-}
       python benchmarks/gemv_fused.py --shapes $shape --json "$OUT/fusion_$shape.json" 2>&1 \
         | grep -v "wrong\|skipped" | tail -7 | tee -a "$OUT/fusion.txt" ;;
-    fusion-ab)  # TUNED: the sweeps' JSON files, comma-separated, when they ran in another call
-      graph_ab fusion --tuned "${TUNED:-$OUT/fusion_llama-8b.json,$OUT/fusion_llama-1b.json}" ;;
+    fusion-ab|pdl-ab)  # TUNED: the sweeps' JSON files, comma-separated, from another call
+      graph_ab ${stage%-ab} --tuned "${TUNED:-$OUT/fusion_llama-8b.json,$OUT/fusion_llama-1b.json}" ;;
     hf-full-1b|hf-full-8b)  # one shape per call: each takes most of a 600 s call
       shape=llama-${stage#hf-full-}
       python benchmarks/gpu_decode.py --shapes $shape --batches 8,32,64,128 \

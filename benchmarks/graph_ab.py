@@ -8,13 +8,15 @@ replayed with events.
 
 `blas`: cuBLAS against cuBLASLt as torch's BLAS library. `gemv`: the one-row Triton GEMV for
 the output projection (`ops.ONE_ROW_GEMV`) on and off. `fusion`: the fused one-row decoder block
-(`ops.ONE_ROW_FUSION`, DecoderLayer.forward_one_row) on and off; only bucket 1 uses it.
+(`ops.ONE_ROW_FUSION`, DecoderLayer.forward_one_row) on and off; only bucket 1 uses it. `pdl`:
+programmatic dependent launch (`triton_kernels.PDL`) on and off, with the fused block on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -40,8 +42,13 @@ def settings(what: str) -> dict:
     if what == "blas":
         return {name: lambda name=name: torch.backends.cuda.preferred_blas_library(name)
                 for name in ("cublas", "cublaslt")}
-    flag = {"gemv": "ONE_ROW_GEMV", "fusion": "ONE_ROW_FUSION"}[what]
-    return {f"{what} {state}": lambda on=on: setattr(ops, flag, on)
+    module, flag = ops, {"gemv": "ONE_ROW_GEMV", "fusion": "ONE_ROW_FUSION"}.get(what)
+    if what == "pdl":  # on the fused batch-1 path, whose kernels take it
+        from noesis.kernels import triton_kernels
+
+        ops.ONE_ROW_FUSION = True
+        module, flag = triton_kernels, "PDL"
+    return {f"{what} {state}": lambda on=on: setattr(module, flag, on)
             for state, on in (("on", True), ("off", False))}
 
 
@@ -51,6 +58,9 @@ def load_tuned(paths: str) -> None:
 
     report = {}
     for path in paths.split(","):
+        if not os.path.exists(path):
+            print(f"{path}: no such file, its shape keeps the default configs", flush=True)
+            continue
         with open(path) as f:
             report |= json.load(f)
     for kernels in report.values():
@@ -64,7 +74,7 @@ def load_tuned(paths: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--what", choices=["blas", "gemv", "fusion"], default="blas")
+    parser.add_argument("--what", choices=["blas", "gemv", "fusion", "pdl"], default="blas")
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--tuned", help="gemv_fused.py's JSON files (comma list): the best "
                         "one-row configs they found")

@@ -266,3 +266,20 @@ def test_fused_one_row_decoder_matches_the_unfused_one(checkpoint, monkeypatch):
                 break
             assert abs(got.logprobs[step][a] - want.logprobs[step][b]) < 0.05, step
         launches.clear()
+
+
+def test_programmatic_dependent_launch_changes_no_result(checkpoint, monkeypatch):
+    """PDL only lets a kernel launch before the one ahead of it ends; each waits for its inputs,
+    so batch-1 decode on the fused path gives the same tokens and logprobs with it on."""
+    from noesis import SamplingParams
+    from noesis.kernels import ops, triton_kernels
+
+    monkeypatch.setattr(ops, "ONE_ROW_FUSION", True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outputs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(triton_kernels, "PDL", pdl)
+        llm = make_llm(checkpoint)
+        outputs.append([llm.generate([p], params)[0] for p in (PROMPTS[2], PROMPTS[0])])
+    for a, b in zip(*outputs, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

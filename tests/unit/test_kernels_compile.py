@@ -5,8 +5,9 @@ Triton's interpreter (test_kernels.py) runs Python semantics and accepts code th
 rejects (a kernel reading a non-constexpr global, for one). Here each launch is intercepted,
 its arguments turned into the signature the JIT would build (tensors 16-byte aligned, as the
 JIT specializes them), lowered to PTX, and assembled with the ptxas that ships in the triton
-wheel: it must compile and must not spill registers, and the one-row GEMVs must read their
-weights in 16-byte loads.
+wheel: it must compile and must not spill registers, the one-row GEMVs must read their
+weights in 16-byte loads, and the launches asked for programmatic dependent launch must carry
+its griddepcontrol instructions (and no others).
 
 The compiles run in a child process: once the interpreter has run a kernel in a process, it
 leaves triton.language patched for itself.
@@ -37,6 +38,7 @@ def launches() -> dict[str, tuple]:
     from noesis.kernels import triton_kernels as tk
 
     recorded: list[tuple] = []
+    pdl_off = tk._pdl
 
     class Recorder:
         def __init__(self, kernel: JITFunction) -> None:
@@ -85,9 +87,12 @@ def launches() -> dict[str, tuple]:
         "one-row norm + LM head": lambda: tk.norm_logits(
             x, norm, 1e-5, torch.zeros(128256, hidden, **bf16)),
     }
+    pdl = ("paged decode, batch 1 (two launches)", "paged decode, batch 64 (fused merge)",
+           "one-row norm + qkv + RoPE + KV write", "one-row o_proj + residual")
     found = {}
     try:
-        for name, call in calls.items():
+        for name, call in [*calls.items(), *((f"{n} with PDL", calls[n]) for n in pdl)]:
+            tk._pdl = (lambda x: {"PDL": True, "launch_pdl": True}) if "PDL" in name else pdl_off
             recorded.clear()
             call()
             for i, launch in enumerate(recorded):
@@ -95,6 +100,7 @@ def launches() -> dict[str, tuple]:
     finally:  # kernels calling helpers (_mix32) find them in the module when compiled
         for name, kernel in kernels.items():
             setattr(tk, name, kernel)
+        tk._pdl = pdl_off
     return found
 
 
@@ -108,7 +114,7 @@ def compile_launch(kernel, args, kwargs, tmp: Path) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     bound = dict(zip(kernel.arg_names[: len(args)], args, strict=True)) | kwargs
     signature, constants, aligned = {}, {}, {}
     for index, param in enumerate(kernel.params):
@@ -132,8 +138,10 @@ def compile_launch(kernel, args, kwargs, tmp: Path) -> dict:
     ptx.write_text(compiled.asm["ptx"])
     done = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", tmp / "kernel.cubin"],
                           capture_output=True, text=True, check=True)
+    text = ptx.read_text()
     return {"kernel": kernel.__name__, "ptxas": done.stderr,
-            "v4_loads": len(re.findall(r"ld\.global\S*\.v4\.", ptx.read_text()))}
+            "v4_loads": len(re.findall(r"ld\.global\S*\.v4\.", text)),
+            "pdl": "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text}
 
 
 def compile_all() -> dict[str, dict]:
@@ -165,9 +173,16 @@ def test_every_kernel_compiles_for_sm90_without_spills(reports):
         assert spills is None or spills.group(1) == "0", (name, ptxas)
 
 
+def test_programmatic_dependent_launch_compiles_in_where_asked(reports):
+    with_pdl = {name for name in reports if "with PDL" in name}
+    assert len(with_pdl) == 5  # paged decode in two launches and in one, two projections
+    for name, report in reports.items():
+        assert report["pdl"] == (name in with_pdl), name
+
+
 def test_one_row_gemvs_read_weights_in_16_byte_loads(reports):
     rows = {name: r for name, r in reports.items() if name.startswith("one-row")}
-    assert len(rows) == 5
+    assert len(rows) == 7
     for name, report in rows.items():
         # each weight tile (two in the paired modes) in one or more 16-byte loads per thread;
         # scalar loads would leave none

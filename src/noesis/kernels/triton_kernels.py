@@ -8,10 +8,24 @@ tests run these kernels under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# Programmatic dependent launch (Hopper on): the batch-1 path's kernels (one-row projections and
+# decode attention) let the next kernel launch while they finish, and wait for the one before
+# them only when they start reading. Off unless NOESIS_PDL=1 until timed (graph_ab.py --what
+# pdl); never under Triton's interpreter, which cannot run the griddepcontrol instructions.
+PDL = os.environ.get("NOESIS_PDL") == "1"
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """The launch's PDL constexpr and, when on, the launch option."""
+    on = PDL and x.is_cuda
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 # ---- paged decode attention -------------------------------------------------------------------
 
@@ -49,11 +63,13 @@ def _paged_decode_partial(
     stride_fb, stride_fh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:
+        gdc_wait()  # q and this token's k/v come from the kernel before
     ctx_len = tl.load(lens_ptr + b)
     start = split * PART
     if start >= ctx_len:
@@ -92,6 +108,8 @@ def _paged_decode_partial(
         acc = acc * alpha[:, None] + pv.to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    if PDL:
+        gdc_launch_dependents()
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
@@ -138,10 +156,13 @@ def _paged_decode_reduce(
     part_out_ptr, part_lse_ptr, lens_ptr, out_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    PART: tl.constexpr,
+    PART: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     ctx_len = tl.load(lens_ptr + b)
     num_splits = tl.cdiv(ctx_len, PART)
     splits = tl.arange(0, MAX_SPLITS)
@@ -220,7 +241,7 @@ def paged_decode_attention(
         BLOCK_N=tuning.get("block_n") or min(64 if dim_pad <= 128 else 32, partition),
         PART=partition, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSED_REDUCE=fused,
-        num_warps=tuning.get("num_warps", 4),
+        num_warps=tuning.get("num_warps", 4), **_pdl(q),
         num_stages=tuning.get("num_stages") or pipeline_stages(batch),
     )
     if fused:
@@ -230,7 +251,7 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=triton.next_power_of_2(max_splits),
-        PART=partition, num_warps=4,
+        PART=partition, num_warps=4, **_pdl(q),
     )
     return out
 
@@ -315,6 +336,7 @@ def _row_gemv(
     K: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PAIR: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y = W @ f(x) for one row x [K], ROWS output rows per program (two blocks of them, PAIR
     rows apart, in the GLU and QKV modes), the whole of K in BLOCK_K tiles, no split-K.
@@ -339,6 +361,8 @@ def _row_gemv(
         rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # 64-bit: an LM head can pass 2^31 elements
+    if PDL:
+        gdc_wait()  # x, and the residual, come from the kernel before
     rstd = 1.0
     if NORM:
         squares = tl.zeros([BLOCK_K], tl.float32)
@@ -363,6 +387,8 @@ def _row_gemv(
         if MODE != _PLAIN:
             acc_pair += tl.load(w_rows + PAIR * K + cols[None, :], mask=tile_ok,
                                 other=0.0).to(tl.float32) * xf
+    if PDL:
+        gdc_launch_dependents()
     y = tl.sum(acc, 1).to(DTYPE)
     if MODE == _PLAIN:
         if RESIDUAL:
@@ -418,6 +444,7 @@ def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0
         K=k, MODE=mode, NORM=norm is not None, RESIDUAL=residual is not None, ROWS=rows,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)), STAGES=stages, PAIR=pair,
         HEAD_DIM=heads[2], NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1], num_warps=warps,
+        **_pdl(x),
     )
     return y
 
