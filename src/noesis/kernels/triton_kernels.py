@@ -68,12 +68,12 @@ def _paged_decode_partial(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:
-        gdc_wait()  # q and this token's k/v come from the kernel before
-    ctx_len = tl.load(lens_ptr + b)
+    ctx_len = tl.load(lens_ptr + b)  # step inputs, copied in before the step's first kernel
     start = split * PART
     if start >= ctx_len:
         return
+    if PDL:
+        gdc_wait()  # q and this token's k/v come from the kernel before
     end = tl.minimum(start + PART, ctx_len)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -361,6 +361,13 @@ def _row_gemv(
         rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # 64-bit: an LM head can pass 2^31 elements
+    # The first K tile of weights owes nothing to the kernel before: read it before waiting.
+    first = tl.arange(0, BLOCK_K)
+    first_ok = row_ok[:, None] & (first < K)[None, :]  # K is constexpr: loads stay vectorized
+    w_first = tl.load(w_rows + first[None, :], mask=first_ok, other=0.0)
+    w_first_pair = w_first
+    if MODE != _PLAIN:
+        w_first_pair = tl.load(w_rows + PAIR * K + first[None, :], mask=first_ok, other=0.0)
     if PDL:
         gdc_wait()  # x, and the residual, come from the kernel before
     rstd = 1.0
@@ -371,18 +378,13 @@ def _row_gemv(
             v = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
             squares += v * v
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
-    acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
-    acc_pair = tl.zeros([ROWS, BLOCK_K], tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    x_first = _x_tile(x_ptr, norm_ptr, first, K, rstd, NORM, DTYPE)[None, :]
+    acc = w_first.to(tl.float32) * x_first
+    acc_pair = w_first_pair.to(tl.float32) * x_first
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         cols = k + tl.arange(0, BLOCK_K)
-        col_ok = cols < K  # K is constexpr: the mask keeps loads vectorized
-        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-        if NORM:
-            normed = (x.to(tl.float32) * rstd).to(DTYPE)
-            x = (tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-                 * normed.to(tl.float32)).to(DTYPE)
-        xf = x.to(tl.float32)[None, :]
-        tile_ok = row_ok[:, None] & col_ok[None, :]
+        xf = _x_tile(x_ptr, norm_ptr, cols, K, rstd, NORM, DTYPE)[None, :]
+        tile_ok = row_ok[:, None] & (cols < K)[None, :]
         acc += tl.load(w_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xf
         if MODE != _PLAIN:
             acc_pair += tl.load(w_rows + PAIR * K + cols[None, :], mask=tile_ok,
@@ -417,6 +419,19 @@ def _row_gemv(
                        + (head - NUM_HEADS - NUM_KV_HEADS) * stride_cache_head)
             tl.store(dst + j, first)
             tl.store(dst + j + PAIR, second)
+
+
+@triton.jit
+def _x_tile(x_ptr, norm_ptr, cols, K: tl.constexpr, rstd, NORM: tl.constexpr,
+            DTYPE: tl.constexpr):
+    """The input's K tile at cols as float32: x, or rms_norm(x) * weight rounded as the norm
+    kernel rounds it."""
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    if NORM:
+        normed = (x.to(tl.float32) * rstd).to(DTYPE)
+        x = (tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+             * normed.to(tl.float32)).to(DTYPE)
+    return x.to(tl.float32)
 
 
 # (rows per program, K tile, warps, pipeline stages): per mode, and per (mode, N, K) where a
