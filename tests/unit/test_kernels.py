@@ -219,16 +219,24 @@ def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
     assert flat.abs().sum() == 0  # nothing else written
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fused_one_row_decoder_generates_what_the_unfused_one_does(tmp_path, monkeypatch, family):
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {"sliding_window": 6}),
+     ("qwen2", {})],
+    ids=["llama", "tied-embeddings", "sliding-window", "qwen2"],
+)
+def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
+    tmp_path, monkeypatch, family, config
+):
     """The whole model with DecoderLayer.forward_one_row on every one-row step (decode at batch
     1, and the prefill of a one-token prompt): same greedy tokens and logprobs as the unfused
-    blocks. qwen2's q/k/v biases keep it on the unfused path."""
+    blocks, the LM head tied to the embeddings or not, with a sliding window shorter than the
+    sequence. qwen2's q/k/v biases keep it on the unfused path."""
     from checkpoints import build_checkpoint
 
     from noesis import LLM, SamplingParams
 
-    path = build_checkpoint(tmp_path / family, family)
+    path = build_checkpoint(tmp_path / family, family, **config)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     prompts = [[0, 5, 9, 77, 31], [3]]
 
@@ -244,8 +252,11 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(tmp_path, mon
         monkeypatch.setattr(triton_kernels, name, lambda *a, k=kernel, n=name, **kw:
                             launches.append(n) or k(*a, **kw))
     llm, got = run()
+    model = llm.engine.runner.model
     fusable = family != "qwen2"
-    assert llm.engine.runner.model.fuse_one_row == fusable
+    assert model.fuse_one_row == fusable
+    assert (model.lm_head is None) == config.get("tie_word_embeddings", False)
+    assert model.model.layers[0].self_attn.sliding_window == config.get("sliding_window")
     # per one-row step (9 decodes each, and the one-token prefill): 2 layers' qkv, 1 LM head
     steps = 2 * 9 + 1 if fusable else 0
     assert launches.count("norm_qkv_rope_store") == 2 * steps
