@@ -104,9 +104,9 @@ class Layers:
         return tk.norm_glu(self.stream if stream is None else stream, w["norm2"], EPS,
                            w["gate_up"], config=config)
 
-    def down_fused(self, w, config=None, stream=None):
-        return tk.gemv(self.act, w["down"], self.residual if stream is None else stream,
-                       config=config)
+    def down_fused(self, w, config=None, stream=None, act=None):
+        return tk.gemv(self.act if act is None else act, w["down"],
+                       self.residual if stream is None else stream, config=config)
 
     def lm_head_fused(self, w, config=None):
         return tk.norm_logits(self.stream, w["norm1"], EPS, w["lm_head"], config=config)
@@ -119,7 +119,7 @@ class Layers:
                 self.qkv_fused(w, configs["qkv"], stream)
                 stream = self.o_fused(w, configs["o"], stream)
                 act = self.gate_up_fused(w, configs["gate_up"], stream)
-                stream = self.down_fused(w, configs["down"], stream)
+                stream = self.down_fused(w, configs["down"], stream, act)
             else:
                 self.qkv_unfused(w, hidden, residual)
                 normed, residual = tk.add_rms_norm(tk.gemv(self.attn, w["o"]), residual,
