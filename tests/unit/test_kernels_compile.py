@@ -150,10 +150,11 @@ def compile_all() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[str, dict]:
+def reports(tmp_path_factory) -> dict[str, dict]:
     if not PTXAS.exists():
         pytest.skip("this triton wheel has no ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))  # compile afresh
     done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
