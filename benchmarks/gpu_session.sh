@@ -78,12 +78,20 @@ for stage in $STAGES; do
         | grep -v "wrong\|skipped" | tail -7 | tee -a "$OUT/fusion.txt" ;;
     fusion-ab|pdl-ab)  # TUNED: the sweeps' JSON files, comma-separated, from another call
       graph_ab ${stage%-ab} --tuned "${TUNED:-$OUT/fusion_llama-8b.json,$OUT/fusion_llama-1b.json}" ;;
-    hf-full-1b|hf-full-8b)  # one shape per call: each takes most of a 600 s call
-      shape=llama-${stage#hf-full-}
-      python benchmarks/gpu_decode.py --shapes $shape --batches 8,32,64,128 \
-        --hf-compile $shape --hf-batches 8,32,64,128 --json "$OUT/decode_full_$shape.json" \
-        > "$OUT/decode_full_$shape.log" 2>&1
-      tail -14 "$OUT/decode_full_$shape.log" ;;
+    hf-full-1b|hf-full-8b-a|hf-full-8b-b)
+      # transformers eager and static+compile at batch 1 (TTFT 128/2048 included) and at batch
+      # 8-128, beside noesis at batch 1 (its batch figures come from `decode`). Each shape and
+      # batch compiles twice (1 and 256 new tokens), 20-30 s each: one 600 s call holds the 1B
+      # shape, the 8B one takes two.
+      case $stage in
+        hf-full-1b) shape=llama-1b; hf_batches=8,32,64,128 ;;
+        hf-full-8b-a) shape=llama-8b; hf_batches=8,32 ;;
+        hf-full-8b-b) shape=llama-8b; hf_batches=64,128 ;;
+      esac
+      python benchmarks/gpu_decode.py --shapes $shape --batches "" --hf-compile $shape \
+        --hf-batches $hf_batches --json "$OUT/decode_full_$stage.json" \
+        > "$OUT/decode_full_$stage.log" 2>&1
+      tail -14 "$OUT/decode_full_$stage.log" ;;
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
               --hf-compile llama-8b --json "$OUT/decode_8b_hf.json" 2>&1 | tail -10 \
               | tee "$OUT/decode_8b_hf.txt" ;;
