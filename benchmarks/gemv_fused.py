@@ -11,8 +11,11 @@ the kernel). The final norm with the LM head (`norm_logits`) is swept too, once 
 fused layer is also timed with programmatic dependent launch (`triton_kernels.PDL`).
 
     python benchmarks/gemv_fused.py [--shapes llama-8b,llama-1b] [--quick] [--json out.json]
+        [--save-configs row_gemv_configs.json]
 
-The JSON's best configs load into the engine with `graph_ab.py --what fusion --tuned out.json`.
+The JSON's best configs load into the engine with `graph_ab.py --what fusion --tuned out.json`;
+`--save-configs` writes the package's config table (src/noesis/kernels/row_gemv_configs.json)
+with this GPU's best configs merged in, to be copied over it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -174,11 +178,22 @@ def sweep(layers: Layers, name: str, quick: bool) -> dict:
             "config": best.get("config"), "error": best.get("error")}
 
 
+def best_configs(report: dict) -> dict[str, list[int]]:
+    """The best config of every swept kernel in a report, keyed "mode,N,K" as the package's
+    config table is."""
+    return {f"{r['mode']},{r['n']},{r['k']}": r["config"]
+            for kernels in report.values() for r in kernels.values()
+            if isinstance(r, dict) and r.get("config")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-8b,llama-1b")
     parser.add_argument("--quick", action="store_true", help="a smaller config grid")
     parser.add_argument("--json")
+    parser.add_argument("--save-configs", metavar="PATH",
+                        help="write the config table (PATH's if it exists, else the package's) "
+                        "with this GPU's best configs merged in")
     args = parser.parse_args()
     report = {}
     for shape in args.shapes.split(","):
@@ -203,6 +218,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.save_configs:  # merged into the file when it exists (one per sweep), else the package's
+        base = Path(args.save_configs) if Path(args.save_configs).exists() else tk.CONFIG_FILE
+        table = json.loads(base.read_text())
+        table.setdefault(torch.cuda.get_device_name(), {}).update(best_configs(report))
+        with open(args.save_configs, "w") as f:
+            f.write(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

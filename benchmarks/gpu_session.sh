@@ -74,7 +74,8 @@ for stage in $STAGES; do
     gemv-ab) graph_ab gemv ;;
     fusion-8b|fusion-1b)  # the one-row kernels' config sweep, one shape per stage
       shape=llama-${stage#fusion-}
-      python benchmarks/gemv_fused.py --shapes $shape --json "$OUT/fusion_$shape.json" 2>&1 \
+      python benchmarks/gemv_fused.py --shapes $shape --json "$OUT/fusion_$shape.json" \
+        --save-configs "$OUT/row_gemv_configs.json" 2>&1 \
         | grep -v "wrong\|skipped" | tail -7 | tee -a "$OUT/fusion.txt" ;;
     fusion-ab|pdl-ab)  # TUNED: the sweeps' JSON files, comma-separated, from another call
       graph_ab ${stage%-ab} --tuned "${TUNED:-$OUT/fusion_llama-8b.json,$OUT/fusion_llama-1b.json}" ;;

@@ -54,6 +54,8 @@ def settings(what: str) -> dict:
 
 def load_tuned(paths: str) -> None:
     """Every shape's best one-row kernel configs from gemv_fused.py, keyed by weight shape."""
+    from gemv_fused import best_configs
+
     from noesis.kernels import triton_kernels
 
     report = {}
@@ -63,11 +65,8 @@ def load_tuned(paths: str) -> None:
             continue
         with open(path) as f:
             report |= json.load(f)
-    for kernels in report.values():
-        for result in kernels.values():
-            if isinstance(result, dict) and result.get("config"):
-                key = (result["mode"], result["n"], result["k"])
-                triton_kernels.ROW_GEMV_TUNED[key] = tuple(result["config"])
+    for key, config in best_configs(report).items():
+        triton_kernels.ROW_GEMV_TUNED[tuple(map(int, key.split(",")))] = tuple(config)
     print("tuned one-row configs:", triton_kernels.ROW_GEMV_TUNED, flush=True)
 
 

@@ -265,3 +265,37 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+
+
+def test_row_gemv_configs_come_from_the_per_gpu_table(tmp_path, monkeypatch):
+    table = tmp_path / "row_gemv_configs.json"
+    table.write_text(
+        '{"cpu": {"0,40,96": [2, 32, 4, 1]}, "NVIDIA H200": {"0,40,96": [8, 64, 8, 3]}}'
+    )
+    monkeypatch.setattr(triton_kernels, "CONFIG_FILE", table)
+    triton_kernels._device_configs.cache_clear()
+    try:
+        weight = torch.randn(40, 96)
+        assert triton_kernels.row_gemv_config(triton_kernels.PLAIN, weight) == (2, 32, 4, 1)
+        other = torch.randn(48, 96)  # a shape the table does not hold: the mode's default
+        default = triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.PLAIN]
+        assert triton_kernels.row_gemv_config(triton_kernels.PLAIN, other) == default
+        monkeypatch.setitem(triton_kernels.ROW_GEMV_TUNED, (0, 40, 96), (4, 64, 4, 1))
+        assert triton_kernels.row_gemv_config(triton_kernels.PLAIN, weight) == (4, 64, 4, 1)
+        x = torch.randn(1, 96)
+        assert rel_err(triton_kernels.gemv(x, weight), x @ weight.T) < 1e-6
+    finally:
+        triton_kernels._device_configs.cache_clear()
+
+
+def test_the_shipped_row_gemv_config_table_is_well_formed():
+    import json
+
+    table = json.loads(triton_kernels.CONFIG_FILE.read_text())
+    for gpu, configs in table.items():
+        for key, config in configs.items():
+            mode, n, k = map(int, key.split(","))
+            rows, block_k, warps, stages = config
+            assert mode in (triton_kernels.PLAIN, triton_kernels.GLU, triton_kernels.QKV), gpu
+            assert n > 0 and k > 0 and warps in (1, 2, 4, 8, 16) and stages >= 1, (gpu, key)
+            assert rows & (rows - 1) == 0 and block_k & (block_k - 1) == 0, (gpu, key)

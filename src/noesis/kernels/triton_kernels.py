@@ -7,8 +7,11 @@ tests run these kernels under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -434,16 +437,29 @@ def _x_tile(x_ptr, norm_ptr, cols, K: tl.constexpr, rstd, NORM: tl.constexpr,
     return x.to(tl.float32)
 
 
-# (rows per program, K tile, warps, pipeline stages): per mode, and per (mode, N, K) where a
-# weight shape was tuned (benchmarks/gemv_fused.py sweeps them inside CUDA graphs and writes
-# what it found; graph_ab.py --tuned loads that). PLAIN's is the o_proj GEMV measured on an
-# H200 (before STAGES existed: its loop was not pipelined, as with 1 here).
+# (rows per program, K tile, warps, pipeline stages), looked up in order:
+# - ROW_GEMV_TUNED, per (mode, N, K): set by benchmarks (graph_ab.py --tuned);
+# - row_gemv_configs.json beside this file, per GPU name and "mode,N,K": what
+#   benchmarks/gemv_fused.py --save-configs found on that GPU, inside CUDA graphs;
+# - ROW_GEMV_CONFIGS, per mode. PLAIN's is the o_proj GEMV measured on an H200 (before STAGES
+#   existed: its loop was not pipelined, as with 1 here).
 ROW_GEMV_CONFIGS = {PLAIN: (8, 512, 8, 1), GLU: (4, 512, 8, 1), QKV: (8, 512, 8, 1)}
 ROW_GEMV_TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+CONFIG_FILE = Path(__file__).with_name("row_gemv_configs.json")
+
+
+@functools.cache
+def _device_configs(device: torch.device) -> dict[str, list[int]]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return json.loads(CONFIG_FILE.read_text()).get(name, {})
 
 
 def row_gemv_config(mode: int, weight: torch.Tensor) -> tuple[int, int, int, int]:
-    return ROW_GEMV_TUNED.get((mode, *weight.shape), ROW_GEMV_CONFIGS[mode])
+    key = (mode, *weight.shape)
+    if key in ROW_GEMV_TUNED:
+        return ROW_GEMV_TUNED[key]
+    tuned = _device_configs(weight.device).get(",".join(map(str, key)))
+    return tuple(tuned) if tuned else ROW_GEMV_CONFIGS[mode]
 
 
 def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0,
