@@ -82,8 +82,8 @@ def test_turns_in_synthesized_speech_with_noise_and_silence(silero):
     ):
         onset, offset_end = (offset + t for t in _onset_and_offset(speech))
         # The confirming run of voiced frames (0.2 s = 6 frames, ending at started.at) may begin
-        # on the speech's faint first samples, which come before the loud onset (and move by
-        # tens of ms with the CPU the synthesizer runs on), but never before any speech at all.
+        # on the speech's faint first samples, tens of ms before its loud onset, but never
+        # before any speech at all.
         first_sound = offset + _onset_and_offset(speech, level=0.002)[0]
         first_voiced_frame_end = started.at - (detector._start_frames - 1) * FRAME_SECONDS
         assert first_voiced_frame_end >= first_sound and started.at <= onset + 0.6

@@ -59,7 +59,8 @@ COMMANDS = ("stop", "cancel", "louder", "quieter", "pause", "resume", "repeat th
 
 @functools.cache
 def _piper() -> PiperSynthesizer:
-    # No sampling noise: the same text gives the same samples on every run and machine.
+    # No sampling noise (VITS samples it by default): the same text gives the same samples on
+    # every run.
     return PiperSynthesizer(threads=1, noise_scale=0.0, noise_w=0.0)
 
 
