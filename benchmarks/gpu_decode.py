@@ -265,8 +265,14 @@ def main() -> None:
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     bandwidth = copy_bandwidth()
+    from noesis.kernels import ops, triton_kernels
+
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "copy_bandwidth_TBps": bandwidth / 1e12, "shapes": {}}
+              "copy_bandwidth_TBps": bandwidth / 1e12,
+              # the batch-1 kernel paths in use (NOESIS_ONE_ROW_FUSION, NOESIS_PDL)
+              "kernels": {"one_row_gemv": ops.ONE_ROW_GEMV, "one_row_fusion": ops.ONE_ROW_FUSION,
+                          "pdl": triton_kernels.PDL},
+              "shapes": {}}
     print(f"{report['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for shape in args.shapes.split(","):
         t0 = time.perf_counter()
@@ -294,7 +300,8 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     bw = report["copy_bandwidth_TBps"]
-    print(f"\n{report['device']}, copy bandwidth {bw:.2f} TB/s, torch {report['torch']}")
+    print(f"\n{report['device']}, copy bandwidth {bw:.2f} TB/s, torch {report['torch']}, "
+          f"batch-1 kernels {report.get('kernels')}")
     print(f"{'shape':<10}{'engine':<30}{'tok/s b1':>10}{'roofline':>10}{'share':>7}"
           f"{'TTFT128':>9}{'TTFT2048':>10}{'load+cap s':>11}")
     for shape, entry in report["shapes"].items():
