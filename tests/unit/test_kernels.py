@@ -219,29 +219,36 @@ def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
     assert flat.abs().sum() == 0  # nothing else written
 
 
+PREFIX = [0, 5, 9, 77, 31, 8, 2, 40, 13]  # two 4-token pages and one token
+
+
 @pytest.mark.parametrize(
-    ("family", "config"),
-    [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {"sliding_window": 6}),
-     ("qwen2", {})],
-    ids=["llama", "tied-embeddings", "sliding-window", "qwen2"],
+    ("family", "config", "engine", "prompts"),
+    [("llama", {}, {}, [PREFIX[:5], [3]]),
+     ("llama", {"tie_word_embeddings": True}, {}, [PREFIX[:5], [3]]),
+     ("mistral", {"sliding_window": 6}, {}, [PREFIX[:5], [3]]),
+     # the second run prefills one token after 8 cached ones
+     ("llama", {}, {"enable_prefix_caching": True, "page_size": 4}, [PREFIX, PREFIX]),
+     ("qwen2", {}, {}, [PREFIX[:5], [3]])],
+    ids=["llama", "tied-embeddings", "sliding-window", "prefix-cached", "qwen2"],
 )
 def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
-    tmp_path, monkeypatch, family, config
+    tmp_path, monkeypatch, family, config, engine, prompts
 ):
     """The whole model with DecoderLayer.forward_one_row on every one-row step (decode at batch
-    1, and the prefill of a one-token prompt): same greedy tokens and logprobs as the unfused
-    blocks, the LM head tied to the embeddings or not, with a sliding window shorter than the
-    sequence. qwen2's q/k/v biases keep it on the unfused path."""
+    1, and the prefill of a one-token prompt or of the one token after a cached prefix): same
+    greedy tokens and logprobs as the unfused blocks, the LM head tied to the embeddings or
+    not, with a sliding window shorter than the sequence. qwen2's q/k/v biases keep it on the
+    unfused path."""
     from checkpoints import build_checkpoint
 
     from noesis import LLM, SamplingParams
 
     path = build_checkpoint(tmp_path / family, family, **config)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    prompts = [[0, 5, 9, 77, 31], [3]]
 
     def run():
-        llm = LLM(str(path), device="cpu", dtype="float32", progress=False)
+        llm = LLM(str(path), device="cpu", dtype="float32", progress=False, **engine)
         return llm, [llm.generate([p], params)[0] for p in prompts]
 
     _, want = run()
@@ -257,6 +264,8 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
     assert model.fuse_one_row == fusable
     assert (model.lm_head is None) == config.get("tie_word_embeddings", False)
     assert model.model.layers[0].self_attn.sliding_window == config.get("sliding_window")
+    if engine:
+        assert llm.engine.prefix_cache.hit_tokens == 8
     # per one-row step (9 decodes each, and the one-token prefill): 2 layers' qkv, 1 LM head
     steps = 2 * 9 + 1 if fusable else 0
     assert launches.count("norm_qkv_rope_store") == 2 * steps
