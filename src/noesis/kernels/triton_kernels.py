@@ -466,7 +466,9 @@ def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0
                      residual=None, pair=0, rope=None, heads=(0, 0, 0)):
     rows, block_k, warps, stages = config or row_gemv_config(mode, weight)
     n, k = weight.shape
-    assert x.shape == (1, k) and x.is_contiguous() and weight.is_contiguous()
+    assert x.shape == (1, k) and weight.is_contiguous()
+    assert residual is None or residual.shape == (1, n) and residual.is_contiguous()
+    x = x.contiguous()
     cos, sin, slots, k_cache, v_cache = rope or (x, x, x, x, x)
     _row_gemv[(programs(rows),)](
         x, norm if norm is not None else x, weight, y,
