@@ -1,0 +1,73 @@
+"""The GPU benchmark scripts' own logic, run on the CPU (Triton's interpreter, float32, tiny
+shapes), so that a lease on the lent GPU is not spent finding a bug in them. Their timing needs
+CUDA graphs and is not run here."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gemv_fused  # noqa: E402
+import graph_ab  # noqa: E402
+
+from noesis.kernels import ops, triton_kernels  # noqa: E402
+
+
+@pytest.fixture
+def tiny_layers(monkeypatch):
+    monkeypatch.setattr(gemv_fused, "DEVICE", "cpu")
+    monkeypatch.setattr(gemv_fused, "DTYPE", torch.float32)
+    monkeypatch.setattr(gemv_fused, "VOCAB", 200)
+    torch.manual_seed(0)
+    return gemv_fused.Layers(hidden=64, inter=96, heads=4, kv_heads=2, head_dim=16)
+
+
+def test_gemv_fused_compares_each_fused_kernel_with_its_unfused_steps(tiny_layers):
+    for name, mode in gemv_fused.MODES.items():
+        for config in [(4, 32, 4, 1), (8, 64, 4, 3)]:
+            assert gemv_fused.reference_error(tiny_layers, name, config) < 1e-5, (name, config)
+        assert mode in (triton_kernels.PLAIN, triton_kernels.GLU, triton_kernels.QKV)
+    configs = dict.fromkeys(("qkv", "o", "gate_up", "down"), (4, 32, 4, 1))
+    for fused in (False, True):
+        tiny_layers.layer(fused, configs)  # runs the four layers both ways
+
+
+def test_swept_configs_reach_the_engine_through_graph_ab(tmp_path, monkeypatch):
+    report = {"llama-1b": {
+        "qkv": {"mode": 2, "n": 3072, "k": 2048, "config": [4, 1024, 8, 3], "fused_us": 5.0},
+        "o": {"mode": 0, "n": 2048, "k": 2048, "config": None},  # every config failed
+        "layer_fused_us": [1.0, 1.1],
+    }}
+    assert gemv_fused.best_configs(report) == {"2,3072,2048": [4, 1024, 8, 3]}
+    path = tmp_path / "fusion.json"
+    path.write_text(json.dumps(report))
+    monkeypatch.setattr(triton_kernels, "ROW_GEMV_TUNED", {})
+    graph_ab.load_tuned(f"{path},{tmp_path / 'missing.json'}")  # a missing file is skipped
+    weight = torch.empty(3072, 2048)
+    assert triton_kernels.row_gemv_config(triton_kernels.QKV, weight) == (4, 1024, 8, 3)
+
+
+@pytest.mark.parametrize(("what", "module", "flag"), [
+    ("gemv", ops, "ONE_ROW_GEMV"), ("fusion", ops, "ONE_ROW_FUSION"),
+    ("pdl", triton_kernels, "PDL"),
+])
+def test_graph_ab_settings_flip_their_flag(monkeypatch, what, module, flag):
+    monkeypatch.setattr(module, flag, None)
+    monkeypatch.setattr(ops, "ONE_ROW_FUSION", ops.ONE_ROW_FUSION)  # restored afterwards
+    variants = graph_ab.settings(what)
+    assert list(variants) == [f"{what} on", f"{what} off"]
+    for name, apply in variants.items():
+        apply()
+        assert getattr(module, flag) is name.endswith("on")
+    if what == "pdl":
+        assert ops.ONE_ROW_FUSION  # PDL is timed on the fused path
