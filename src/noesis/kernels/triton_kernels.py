@@ -1,8 +1,10 @@
 """Triton kernels for the CUDA decode path: paged attention (split-K), fused add+RMSNorm,
-SiLU-and-multiply, and RoPE fused with the KV-cache write.
+SiLU-and-multiply, RoPE fused with the KV-cache write, one-row projections with their
+neighbours fused (batch-1 decode), the sampler's exponential race and the grammar bitmask.
 
-Each has a PyTorch reference (kernels/reference.py) and a test that compares them; on a CPU the
-tests run these kernels under TRITON_INTERPRET=1.
+Each is compared with a PyTorch reference (the torch paths in kernels/ops.py, or the unfused
+steps) in tests/unit/test_kernels.py, which runs them under TRITON_INTERPRET=1 on a CPU, and
+compiled for sm_90 in tests/unit/test_kernels_compile.py.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def _pdl(x: torch.Tensor) -> dict:
     """The launch's PDL constexpr and, when on, the launch option."""
     on = PDL and x.is_cuda
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+
 
 # ---- paged decode attention -------------------------------------------------------------------
 
