@@ -48,10 +48,15 @@ ONE_ROW_GEMV = True  # benchmarks flip these to compare against cuBLAS in one pr
 ONE_ROW_FUSION = os.environ.get("NOESIS_ONE_ROW_FUSION") == "1"
 
 
+def _one_half_precision_row(x: torch.Tensor) -> bool:
+    """A single token of a half-precision model on CUDA: what the one-row Triton kernels take."""
+    return x.shape[0] == 1 and x.dtype != torch.float32 and use_triton(x)
+
+
 def one_row_fusion(x: torch.Tensor) -> bool:
     """Whether a decoder block over x [T, D] runs as four fused one-row Triton projections
-    (DecoderLayer.forward_one_row): a single token of a half-precision model on CUDA."""
-    return ONE_ROW_FUSION and x.shape[0] == 1 and x.dtype != torch.float32 and use_triton(x)
+    (DecoderLayer.forward_one_row)."""
+    return ONE_ROW_FUSION and _one_half_precision_row(x)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None):
@@ -81,10 +86,9 @@ def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
     """proj(x) for the output projection: one row of a half-precision model on CUDA (batch-1
     decode) through a Triton GEMV, which beats cuBLAS's split-K kernels on these square
     matrices; anything else through the module."""
-    if (ONE_ROW_GEMV and x.shape[0] == 1 and type(proj) is torch.nn.Linear
-            and proj.bias is None and x.dtype != torch.float32 and use_triton(x)
-            and proj.weight.is_contiguous()):
-        return _triton().gemv(x, proj.weight)
+    if (ONE_ROW_GEMV and _one_half_precision_row(x) and type(proj) is torch.nn.Linear
+            and proj.bias is None and proj.weight.is_contiguous()):
+        return gemv(x, proj.weight)
     return proj(x)
 
 
