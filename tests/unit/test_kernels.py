@@ -298,9 +298,14 @@ def test_row_gemv_configs_come_from_the_per_gpu_table(tmp_path, monkeypatch):
 
 
 def test_the_shipped_row_gemv_config_table_is_well_formed():
+    """The table ships empty until a GPU sweep fills it; whatever it holds must be usable."""
     import json
 
     table = json.loads(triton_kernels.CONFIG_FILE.read_text())
+    assert isinstance(table, dict)
+    assert all(isinstance(configs, dict) for configs in table.values())
+    triton_kernels._device_configs.cache_clear()
+    assert isinstance(triton_kernels._device_configs(torch.device("cpu")), dict)  # reads it
     for gpu, configs in table.items():
         for key, config in configs.items():
             mode, n, k = map(int, key.split(","))
