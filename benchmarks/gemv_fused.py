@@ -186,6 +186,16 @@ def best_configs(report: dict) -> dict[str, list[int]]:
             if isinstance(r, dict) and r.get("config")}
 
 
+def format_table(table: dict) -> str:
+    """The config table as JSON, one kernel's config per line."""
+    gpus = []
+    for gpu, configs in sorted(table.items()):
+        lines = ",\n".join(f"  {json.dumps(key)}: {json.dumps(config)}"
+                           for key, config in sorted(configs.items()))
+        gpus.append(f" {json.dumps(gpu)}: {{\n{lines}\n }}")
+    return "{\n" + ",\n".join(gpus) + "\n}\n" if gpus else "{}\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-8b,llama-1b")
@@ -206,11 +216,12 @@ def main() -> None:
         best = {name: tuple(entry[name]["config"]) for name in ("qkv", "o", "gate_up", "down")}
         variants = {"layer_unfused_us": (False, False), "layer_fused_us": (True, False),
                     "layer_fused_pdl_us": (True, True)}
+        pdl_setting = tk.PDL
         for key, (fused, pdl) in [*variants.items()] * 2:  # alternating, to show the noise
             tk.PDL = pdl
             us = graph_us(lambda f=fused, ls=layers, c=best: ls.layer(f, c), reps=5) / LAYERS
             entry.setdefault(key, []).append(us)
-        tk.PDL = False
+        tk.PDL = pdl_setting
         print(f"{shape} layer less attention (best configs), us: "
               + ", ".join(f"{key[6:-3]} {entry[key]}" for key in variants), flush=True)
         del layers
@@ -223,7 +234,7 @@ def main() -> None:
         table = json.loads(base.read_text())
         table.setdefault(torch.cuda.get_device_name(), {}).update(best_configs(report))
         with open(args.save_configs, "w") as f:
-            f.write(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            f.write(format_table(table))
 
 
 if __name__ == "__main__":

@@ -225,11 +225,14 @@ def bench_transformers(path: Path, compile_: bool, batches: list[int] = (),
               "ttft_2048_ms": timed(p2048, 1, 3) * 1e3,
               "decode_tok_s": (NEW_TOKENS - 1) / (timed(p128, NEW_TOKENS) - ttft),
               "batches": {}}
+    print(f"transformers {'static+compile' if compile_ else 'eager'} batch 1:",
+          json.dumps(result), flush=True)  # a call cut off at its time limit keeps what is done
     for batch in batches:
         prompts = [prompt_ids(128, 100 + i) for i in range(batch)]
         first, full = timed(prompts, 1), timed(prompts, NEW_TOKENS)
         result["batches"][batch] = {"decode_tok_s": batch * (NEW_TOKENS - 1) / (full - first),
                                     "total_tok_s": batch * NEW_TOKENS / full}
+        print(f"  batch {batch}:", json.dumps(result["batches"][batch]), flush=True)
     return result
 
 

@@ -2,6 +2,7 @@
 # One lease on the lent GPU: install the carried wheels, run the GPU tests, then the benchmarks
 # named in $STAGES (default: tests decode serve). Logs and JSON go to $OUT (default .bench/gpu).
 #   OUT=/tmp/out STAGES="tests decode" bash benchmarks/gpu_session.sh
+# FUSION_ARGS=--quick narrows the fusion-* sweeps' config grid.
 set -uo pipefail
 OUT=${OUT:-.bench/gpu}
 STAGES=${STAGES:-tests decode serve}
@@ -74,7 +75,7 @@ for stage in $STAGES; do
     gemv-ab) graph_ab gemv ;;
     fusion-8b|fusion-1b)  # the one-row kernels' config sweep, one shape per stage
       shape=llama-${stage#fusion-}
-      python benchmarks/gemv_fused.py --shapes $shape --json "$OUT/fusion_$shape.json" \
+      python benchmarks/gemv_fused.py --shapes $shape ${FUSION_ARGS:-} --json "$OUT/fusion_$shape.json" \
         --save-configs "$OUT/row_gemv_configs.json" 2>&1 \
         | grep -v "wrong\|skipped" | tail -7 | tee -a "$OUT/fusion.txt" ;;
     fusion-ab|pdl-ab)  # TUNED: the sweeps' JSON files, comma-separated, from another call
