@@ -48,8 +48,8 @@ for stage in $STAGES; do
               2>&1 | tail -8 | tee "$OUT/timeline.txt" ;;
     b1) python benchmarks/gpu_decode.py --shapes llama-1b,llama-8b --no-hf --batches "" \
               --json "$OUT/decode_b1.json" 2>&1 | tail -9 | tee "$OUT/decode_b1.txt" ;;
-    decode-1b) python benchmarks/gpu_decode.py --shapes llama-1b --no-hf --batches 64 \
-              --json "$OUT/decode_1b.json" 2>&1 | tail -6 | tee "$OUT/decode_1b.txt" ;;
+    decode-1b) python benchmarks/gpu_decode.py --shapes llama-1b --no-hf --batches 8,32,64,128 \
+              --json "$OUT/decode_1b.json" 2>&1 | tail -9 | tee "$OUT/decode_1b.txt" ;;
     hf-1b) python benchmarks/gpu_decode.py --shapes llama-1b --batches 1,64 \
               --hf-compile llama-1b --json "$OUT/decode_1b.json" 2>&1 | tail -14 \
               | tee "$OUT/decode_1b.txt" ;;

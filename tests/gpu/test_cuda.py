@@ -79,6 +79,14 @@ def test_triton_kernels_match_references_compiled():
     ref = torch.nn.functional.silu(gate) * up
     assert (triton_kernels.silu_mul(gu).float() - ref.float()).abs().max() < 0.05
     assert ops.use_triton(x)
+    logits = torch.randn(9, 128256, device="cuda", generator=gen)
+    logits[0, [5, 100000]] = 30.0  # ties across chunks: the lowest index, as torch answers
+    logits[1, :128000] = float("-inf")
+    assert torch.equal(triton_kernels.greedy_argmax(logits), logits.argmax(dim=-1))
+    previous = torch.tensor([7, 8, 9], device="cuda")
+    ids = torch.zeros(5, dtype=torch.int64, device="cuda")
+    triton_kernels.take_pending(ids, torch.tensor([2, -1, 0, -1, 1], device="cuda"), previous)
+    assert ids.tolist() == [9, 0, 7, 0, 8]
 
 
 def test_fused_split_merge_is_race_free():

@@ -139,6 +139,38 @@ def test_exponential_race_kernel_samples_what_the_torch_sampler_samples():
     assert got[3].item() == logits[3].argmax().item()
 
 
+def argmax_cases(rows: int = 5, vocab: int = 3000) -> torch.Tensor:
+    """Logits over three 1,024-wide chunks (the last partial) with the ties and -inf that the
+    argmax must resolve as torch does."""
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4))
+    logits[0, [700, 2500]] = 9.0  # the maximum in two chunks: the first one's index wins
+    logits[1, [1030, 1031, 2999]] = 9.0  # twice in one chunk and in the last, partial one
+    logits[2, :2990] = float("-inf")  # grammar-masked but for the partial chunk's tail
+    logits[2, 2993] = 9.0
+    logits[3, 2999] = 50.0  # the very last entry
+    logits[4] = float("-inf")  # nothing allowed at all: torch answers 0
+    return logits
+
+
+def test_greedy_argmax_kernel_matches_torch_argmax():
+    logits = argmax_cases()
+    got = triton_kernels.greedy_argmax(logits.to(DEVICE))
+    assert got.dtype == torch.int64
+    assert got.cpu().tolist() == logits.argmax(dim=-1).tolist() == [700, 1030, 2993, 2999, 0]
+
+
+def test_take_pending_kernel_gathers_only_rows_with_a_source():
+    previous = torch.tensor([11, 12, 13, 14], device=DEVICE)
+    ids = torch.tensor([1, 2, 3, 4, 5, 6], device=DEVICE)
+    sources = torch.tensor([-1, 3, 0, -1, 3, 2], device=DEVICE)
+    want = [1, 14, 11, 4, 14, 13]
+    reference = ids.clone()
+    torch.where(sources >= 0, previous[sources.clamp(min=0)], reference, out=reference)
+    assert reference.tolist() == want
+    triton_kernels.take_pending(ids, sources, previous)
+    assert ids.cpu().tolist() == want
+
+
 def test_bitmask_kernel_matches_the_torch_unpacking():
     from noesis.structured.bitmask import bitmask_width
 

@@ -72,6 +72,10 @@ def launches() -> dict[str, tuple]:
         "exponential race": lambda: tk.exponential_race(
             torch.zeros(2, 128256), torch.ones(2), torch.zeros(2, dtype=torch.int64),
             torch.zeros(2, dtype=torch.int64)),
+        "greedy argmax": lambda: tk.greedy_argmax(torch.zeros(2, 128256)),
+        "pending tokens": lambda: tk.take_pending(
+            torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64),
+            torch.zeros(8, dtype=torch.int64)),
         "grammar bitmask": lambda: tk.apply_token_bitmask_(
             torch.zeros(2, 128256), torch.zeros(2, 4008, dtype=torch.int32)),
         "one-row o_proj + residual": lambda: tk.gemv(

@@ -105,6 +105,20 @@ def exponential_race(logits, temperature, seeds, steps) -> torch.Tensor:
     return _triton().exponential_race(logits, temperature, seeds, steps)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of float32 logits [B, V] in two Triton launches (CUDA only)."""
+    return _triton().greedy_argmax(logits)
+
+
+def take_pending(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
+    """ids[i] = previous[sources[i]] where sources[i] >= 0, in place (int64 tensors on one
+    device): the tokens a step feeds from the step before it, not read back yet."""
+    if use_triton(ids):
+        _triton().take_pending(ids, sources, previous)
+        return
+    torch.where(sources >= 0, previous[sources.clamp(min=0)], ids, out=ids)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [T, 2I] laid out [gate | up]."""
     if use_triton(gate_up):

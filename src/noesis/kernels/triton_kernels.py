@@ -629,31 +629,37 @@ def _mix32(x):
 @triton.jit
 def _race_partial(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, stride_l, num_chunks,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
 ):
     """Best (score, index) of one vocabulary chunk of one row, score = logit / T - log(E) with
-    E = -log(u(seed, step, token)); a row with T == 0 scores the plain logit (greedy)."""
+    E = -log(u(seed, step, token)); a row with T == 0 scores the plain logit (greedy), and so
+    does every row under GREEDY, which reads no temperature, seed or step. Ties: the lowest
+    index."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    temp = tl.load(temp_ptr + row)
-    seed = tl.load(seed_ptr + row)
-    step = tl.load(step_ptr + row)
-    key = _mix32((seed & 0xFFFFFFFF) ^ _mix32(((seed >> 32) & 0xFFFFFFFF)
-                                            ^ _mix32(step & 0xFFFFFFFF)))
-    key2 = _mix32(key ^ 0x5BD1E995)
-    safe_temp = tl.where(temp == 0.0, 1.0, temp)
+    if not GREEDY:
+        temp = tl.load(temp_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        step = tl.load(step_ptr + row)
+        key = _mix32((seed & 0xFFFFFFFF) ^ _mix32(((seed >> 32) & 0xFFFFFFFF)
+                                                ^ _mix32(step & 0xFFFFFFFF)))
+        key2 = _mix32(key ^ 0x5BD1E995)
+        safe_temp = tl.where(temp == 0.0, 1.0, temp)
     best_val = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.full((), 0, tl.int64)
+    best_idx = (chunk * CHUNK).to(tl.int64)  # an all -inf chunk answers its first index
     for offset in range(0, CHUNK, BLOCK):
         cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
         ok = cols < V
         logit = tl.load(logits_ptr + row * stride_l + cols, mask=ok, other=float("-inf"))
-        x = _mix32(((cols.to(tl.int64) * 0x9E3779B1) + key) & 0xFFFFFFFF)
-        x = _mix32(x ^ key2)
-        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        noisy = logit / safe_temp - tl.log(-tl.log(u))
-        score = tl.where(temp == 0.0, logit, noisy)
-        score = tl.where(ok, score, float("-inf"))
+        if GREEDY:
+            score = logit
+        else:
+            x = _mix32(((cols.to(tl.int64) * 0x9E3779B1) + key) & 0xFFFFFFFF)
+            x = _mix32(x ^ key2)
+            u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            noisy = logit / safe_temp - tl.log(-tl.log(u))
+            score = tl.where(temp == 0.0, logit, noisy)
+            score = tl.where(ok, score, float("-inf"))
         value = tl.max(score, axis=0)
         index = tl.argmax(score, axis=0).to(tl.int64) + chunk * CHUNK + offset
         better = value > best_val
@@ -663,22 +669,66 @@ def _race_partial(
     tl.store(idx_ptr + row * num_chunks + chunk, best_idx)
 
 
+@triton.jit
+def _best_chunk(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr):
+    """Per row, the index held by its best chunk (ties: the first chunk, so the lowest index)."""
+    row = tl.program_id(0)
+    chunks = tl.arange(0, BLOCK)
+    values = tl.load(val_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
+                     other=float("-inf"))
+    best = tl.argmax(values, axis=0)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * num_chunks + best))
+
+
+def _race(logits, temperature, seeds, steps, chunk: int) -> torch.Tensor:
+    """Two launches: every (row, chunk)'s best, then every row's best chunk. Greedy when
+    temperature is None."""
+    batch, vocab = logits.shape
+    num_chunks = triton.cdiv(vocab, chunk)
+    values = torch.empty(batch, num_chunks, device=logits.device, dtype=torch.float32)
+    index = torch.empty(batch, num_chunks, device=logits.device, dtype=torch.int64)
+    greedy = temperature is None
+    if greedy:  # the pointers go unread
+        temperature = seeds = steps = logits
+    _race_partial[(batch, num_chunks)](
+        logits, temperature, seeds, steps, values, index, vocab, logits.stride(0), num_chunks,
+        CHUNK=chunk, BLOCK=min(chunk, 1024), GREEDY=greedy, num_warps=4,
+    )
+    out = torch.empty(batch, device=logits.device, dtype=torch.int64)
+    _best_chunk[(batch,)](values, index, out, num_chunks,
+                          BLOCK=max(triton.next_power_of_2(num_chunks), 16), num_warps=1)
+    return out
+
+
 def exponential_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                      steps: torch.Tensor) -> torch.Tensor:
     """Sampled ids [B] from logits [B, V] float32: argmax(logits / T - log E), E ~ Exp(1) from
     the counter hash of (seed, step, token); T == 0 rows take the argmax. One kernel over
     chunks of the vocabulary, then the best chunk per row (ties: the lowest index)."""
-    batch, vocab = logits.shape
-    chunk, block = 4096, 1024
-    num_chunks = triton.cdiv(vocab, chunk)
-    values = torch.empty(batch, num_chunks, device=logits.device, dtype=torch.float32)
-    index = torch.empty(batch, num_chunks, device=logits.device, dtype=torch.int64)
-    _race_partial[(batch, num_chunks)](
-        logits, temperature, seeds, steps, values, index, vocab, logits.stride(0), num_chunks,
-        CHUNK=chunk, BLOCK=block, num_warps=4,
-    )
-    best = values.argmax(dim=1, keepdim=True)
-    return index.gather(1, best)[:, 0]
+    return _race(logits, temperature, seeds, steps, chunk=4096)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax [B, V] float32 -> [B] int64 in two launches (torch's two-stage argmax
+    takes five): 1,024-entry chunks, so a single row spreads over ~125 programs at a 128k
+    vocabulary. Ties resolve to the lowest index, as torch.argmax does; NaN is not ordered."""
+    return _race(logits, None, None, None, chunk=1024)
+
+
+@triton.jit
+def _take_pending(ids_ptr, src_ptr, prev_ptr, n, BLOCK: tl.constexpr):
+    rows = tl.arange(0, BLOCK)
+    source = tl.load(src_ptr + rows, mask=rows < n, other=-1)
+    take = source >= 0
+    token = tl.load(prev_ptr + tl.where(take, source, 0), mask=take)
+    tl.store(ids_ptr + rows, token, mask=take)
+
+
+def take_pending(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
+    """ids[i] = previous[sources[i]] where sources[i] >= 0, in place, one launch."""
+    n = ids.shape[0]
+    _take_pending[(1,)](ids, sources, previous, n,
+                        BLOCK=max(triton.next_power_of_2(n), 16), num_warps=1)
 
 
 # ---- grammar masks ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 import torch
 
 from noesis.engine.scheduler import StepPlan
+from noesis.kernels import ops
 from noesis.kv.cache import KVPool
 from noesis.models.decoder import DecoderLM
 from noesis.models.rope import RotaryEmbedding
@@ -124,9 +125,8 @@ class CudaGraphRunner:
             fields[4][:count] = sources
         self.device_buf.copy_(host, non_blocking=True)
         if sources is not None:
-            ids_in, sources_in = self.device_fields[0][:count], self.device_fields[4][:count]
-            gathered = previous_ids[sources_in.clamp(min=0)]
-            torch.where(sources_in >= 0, gathered, ids_in, out=ids_in)
+            ops.take_pending(self.device_fields[0][:count], self.device_fields[4][:count],
+                             previous_ids)
         self.graphs[batch].replay()
         return self.logits[batch][:count]
 

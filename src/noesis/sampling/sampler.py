@@ -101,9 +101,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
     A single-pass argmax over a 128k vocabulary runs one block per row and dominates a small
     model's decode step on a GPU; splitting the row spreads it over many blocks. Ties resolve to
-    the lowest index, as torch.argmax does.
+    the lowest index, as torch.argmax does. On CUDA the two stages are two Triton launches
+    (ops.greedy_argmax) rather than torch's five.
     """
     batch, vocab = x.shape
+    if ops.use_triton(x) and x.dtype == torch.float32 and x.stride(-1) == 1:
+        return ops.greedy_argmax(x)  # the same two stages in two launches
     chunks = _chunk_count(vocab)
     if chunks == 1:
         return x.argmax(dim=-1)
