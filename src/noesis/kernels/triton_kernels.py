@@ -726,8 +726,10 @@ def _take_pending(ids_ptr, src_ptr, prev_ptr, n, BLOCK: tl.constexpr):
 
 def take_pending(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
     """ids[i] = previous[sources[i]] where sources[i] >= 0, in place, one launch."""
+    if ids.stride(0) != 1 or sources.stride(0) != 1:
+        raise ValueError("take_pending needs ids and sources with unit stride")
     n = ids.shape[0]
-    _take_pending[(1,)](ids, sources, previous, n,
+    _take_pending[(1,)](ids, sources, previous.contiguous(), n,
                         BLOCK=max(triton.next_power_of_2(n), 16), num_warps=1)
 
 
