@@ -2,6 +2,7 @@
 Llama-3.2-1B and Llama-3.1-8B, against the copy-bandwidth roofline measured in the same run.
 
     python benchmarks/gpu_decode.py --shapes llama-1b,llama-8b --json out.json [--hf-compile]
+    python benchmarks/gpu_decode.py --full --json out.json   # every column the issue asks for
 
 Per shape: cold load and graph-capture time; batch-1 decode tok/s (128-token prompt, 256 new
 tokens, greedy); time to first token for 128- and 2048-token prompts; GPU time and host overhead
@@ -250,8 +251,15 @@ def release_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def main() -> None:
+FULL_BATCHES = "8,32,64,128"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true",
+                        help="the whole comparison: noesis and transformers (eager and static "
+                        f"+ compile) at batch 1 and {FULL_BATCHES}, on every shape (on an H200 "
+                        "about 15 minutes for both shapes, most of it transformers compiling)")
     parser.add_argument("--shapes", default="llama-1b,llama-8b")
     parser.add_argument("--batches", default="8,32,64,128", help="comma list; empty for none")
     parser.add_argument("--hf-compile", default="", help="shapes to also run with torch.compile")
@@ -262,7 +270,17 @@ def main() -> None:
                         help="torch's preferred BLAS library for the projections (experiment)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench"))
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "gpu_decode.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.full:
+        if args.no_hf:
+            parser.error("--full runs transformers; drop --no-hf")
+        args.batches = args.hf_batches = FULL_BATCHES
+        args.hf_compile = args.shapes
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     if args.blas:

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import gemv_fused  # noqa: E402
+import gpu_decode  # noqa: E402
 import graph_ab  # noqa: E402
 
 from noesis.kernels import ops, triton_kernels  # noqa: E402
@@ -71,3 +72,22 @@ def test_graph_ab_settings_flip_their_flag(monkeypatch, what, module, flag):
         assert getattr(module, flag) is name.endswith("on")
     if what == "pdl":
         assert ops.ONE_ROW_FUSION  # PDL is timed on the fused path
+
+
+def test_the_config_table_is_written_one_config_per_line():
+    table = {"NVIDIA H200": {"0,2048,2048": [4, 2048, 4, 1], "2,3072,2048": [4, 1024, 4, 1]},
+             "NVIDIA H100 80GB HBM3": {"1,16384,2048": [2, 2048, 4, 3]}}
+    text = gemv_fused.format_table(table)
+    assert json.loads(text) == table
+    assert '  "0,2048,2048": [4, 2048, 4, 1],\n' in text
+    assert len(text.splitlines()) == 2 + 2 * 2 + 3  # braces, a GPU's two lines, one per config
+    assert json.loads(gemv_fused.format_table({})) == {}
+
+
+def test_gpu_decode_full_asks_for_every_column():
+    args = gpu_decode.parse_args(["--full", "--shapes", "llama-1b"])
+    assert (args.batches, args.hf_batches, args.hf_compile) == ("8,32,64,128",) * 2 + ("llama-1b",)
+    assert not args.no_hf
+    assert gpu_decode.parse_args([]).hf_compile == ""  # without it, transformers eager alone
+    with pytest.raises(SystemExit):
+        gpu_decode.parse_args(["--full", "--no-hf"])
