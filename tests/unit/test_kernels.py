@@ -345,3 +345,46 @@ def test_the_shipped_row_gemv_config_table_is_well_formed():
             assert mode in (triton_kernels.PLAIN, triton_kernels.GLU, triton_kernels.QKV), gpu
             assert n > 0 and k > 0 and warps in (1, 2, 4, 8, 16) and stages >= 1, (gpu, key)
             assert rows & (rows - 1) == 0 and block_k & (block_k - 1) == 0, (gpu, key)
+
+
+def test_a_triton_without_pdl_still_runs_the_kernels():
+    """Triton before 3.4 has no gdc_wait: the module imports with PDL off and its kernels run
+    (checked in a child process, whose triton is patched to lack the instructions)."""
+    import subprocess
+    import sys
+
+    code = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import sys, types
+import torch
+import triton.language.extra as extra
+from triton.language.extra import cuda
+old = types.ModuleType(cuda.__name__)
+old.__dict__.update({k: v for k, v in vars(cuda).items() if not k.startswith("gdc")})
+sys.modules[cuda.__name__] = extra.cuda = old
+from noesis.kernels import triton_kernels as tk
+assert not tk.PDL and not tk._GDC
+x, w = torch.randn(1, 64), torch.randn(32, 64)
+assert torch.allclose(tk.gemv(x, w, None, config=(4, 32, 4, 1)), x @ w.T, atol=1e-4)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_missing_triton_kernels_warn_once_and_fall_back(monkeypatch):
+    import sys
+
+    import noesis.kernels
+
+    monkeypatch.setitem(sys.modules, "noesis.kernels.triton_kernels", None)  # import fails
+    monkeypatch.delattr(noesis.kernels, "triton_kernels")
+    ops._triton.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="Triton kernels unavailable"):
+            assert ops._triton() is None
+        assert ops._triton() is None  # cached: no second warning, no second import
+    finally:
+        ops._triton.cache_clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,9 @@ def _triton():
         return None
     try:
         from noesis.kernels import triton_kernels
-    except ImportError:
+    except ImportError as exc:  # asked for on CUDA tensors only, so CPU-only installs stay quiet
+        warnings.warn(f"Triton kernels unavailable ({exc}); CUDA runs the PyTorch ops, slower",
+                      RuntimeWarning, stacklevel=2)
         return None
     return triton_kernels
 

@@ -18,15 +18,30 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _GDC = True
+except ImportError:  # older Triton: the kernels run without PDL (their branches stay untaken)
+    _GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 # Programmatic dependent launch (Hopper on): the batch-1 path's kernels (one-row projections and
 # decode attention) let the next kernel launch while they finish, and wait for the one before
 # them only when they start reading. On by default on sm_90 and later (NOESIS_PDL=0 turns it
 # off): on an H200 it took the 8B shape's batch-1 graph from 4.10 to 3.93-3.98 ms and the 1B
 # one's from 0.879 to 0.804-0.814 (graph_ab.py --what pdl, 2026-11-23). Never under Triton's
-# interpreter, which cannot run the griddepcontrol instructions.
-PDL = os.environ.get("NOESIS_PDL", "1") != "0"
+# interpreter, which cannot run the griddepcontrol instructions, and not with a Triton too old
+# to emit them.
+PDL = _GDC and os.environ.get("NOESIS_PDL", "1") != "0"
 
 
 @functools.cache
