@@ -2,7 +2,8 @@
 # One lease on the lent GPU: install the carried wheels, run the GPU tests, then the benchmarks
 # named in $STAGES (default: tests decode serve). Logs and JSON go to $OUT (default .bench/gpu).
 #   OUT=/tmp/out STAGES="tests decode" bash benchmarks/gpu_session.sh
-# FUSION_ARGS=--quick narrows the fusion-* sweeps' config grid.
+# FUSION_ARGS=--quick narrows the fusion-* sweeps' config grid; HF_ARGS=--no-hf-eager runs the
+# hf-full-* stages' transformers with static cache + compile alone.
 set -uo pipefail
 OUT=${OUT:-.bench/gpu}
 STAGES=${STAGES:-tests decode serve}
@@ -91,7 +92,7 @@ for stage in $STAGES; do
         hf-full-8b-b) shape=llama-8b; hf_batches=64,128 ;;
       esac
       python benchmarks/gpu_decode.py --shapes $shape --batches "" --hf-compile $shape \
-        --hf-batches $hf_batches --json "$OUT/decode_full_$stage.json" \
+        --hf-batches $hf_batches ${HF_ARGS:-} --json "$OUT/decode_full_$stage.json" \
         > "$OUT/decode_full_$stage.log" 2>&1
       tail -14 "$OUT/decode_full_$stage.log" ;;
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \

@@ -89,5 +89,30 @@ def test_gpu_decode_full_asks_for_every_column():
     assert (args.batches, args.hf_batches, args.hf_compile) == ("8,32,64,128",) * 2 + ("llama-1b",)
     assert not args.no_hf
     assert gpu_decode.parse_args([]).hf_compile == ""  # without it, transformers eager alone
-    with pytest.raises(SystemExit):
-        gpu_decode.parse_args(["--full", "--no-hf"])
+    for off in ("--no-hf", "--no-hf-eager"):
+        with pytest.raises(SystemExit):
+            gpu_decode.parse_args(["--full", off])
+
+
+def test_transformers_decode_runs_get_a_cache_of_their_own_length(tmp_path, monkeypatch):
+    """transformers keeps every later static cache as long as the longest generation so far: the
+    2,048-token TTFT must come after the decode runs, or they attend over 2,049 slots. Run on
+    the CPU, where generate uses the static cache without compiling."""
+    import transformers.generation.utils as generation
+    from checkpoints import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "m", vocab_size=30016, hidden_size=32, intermediate_size=64,
+                            max_position_embeddings=4096)
+    sizes = []
+
+    class Recording(generation.StaticCache):
+        def __init__(self, *args, max_cache_len, **kwargs):
+            sizes.append(max_cache_len)
+            super().__init__(*args, max_cache_len=max_cache_len, **kwargs)
+
+    monkeypatch.setattr(generation, "StaticCache", Recording)
+    monkeypatch.setattr(gpu_decode, "NEW_TOKENS", 4)
+    result = gpu_decode.bench_transformers(path, True, batches=[2], device="cpu")
+    assert sizes and max(sizes[:-4]) < 2048 <= min(sizes[-4:])  # the four 2,048-token runs last
+    assert set(result) >= {"ttft_128_ms", "ttft_2048_ms", "decode_tok_s", "batches"}
+    assert result["batches"][2]["decode_tok_s"] > 0
