@@ -167,6 +167,9 @@ def test_take_pending_kernel_gathers_only_rows_with_a_source():
     reference = ids.clone()
     torch.where(sources >= 0, previous[sources.clamp(min=0)], reference, out=reference)
     assert reference.tolist() == want
+    fallback = ids.cpu().clone()  # ops' PyTorch path (CPU, or NOESIS_DISABLE_TRITON=1)
+    ops.take_pending(fallback, sources.cpu(), previous.cpu())
+    assert fallback.tolist() == want
     triton_kernels.take_pending(ids, sources, previous)
     assert ids.cpu().tolist() == want
 
