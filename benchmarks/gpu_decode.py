@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -241,6 +242,17 @@ def bench_transformers(path: Path, compile_: bool, batches: list[int] = (),
     return result
 
 
+def library_versions() -> dict:
+    """The versions a reader needs to compare figures across runs (None: not installed)."""
+    versions = {}
+    for name in ("triton", "transformers"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 def guarded(fn, *args) -> dict:
     """A reference engine that fails is reported as failed; the rest of the run goes on."""
     try:
@@ -295,6 +307,7 @@ def main() -> None:
     from noesis.kernels import ops, triton_kernels
 
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "versions": library_versions(),
               "copy_bandwidth_TBps": bandwidth / 1e12,
               # the batch-1 kernel paths in use (NOESIS_ONE_ROW_FUSION, NOESIS_PDL)
               "kernels": {"one_row_gemv": ops.ONE_ROW_GEMV, "one_row_fusion": ops.ONE_ROW_FUSION,
@@ -327,8 +340,9 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     bw = report["copy_bandwidth_TBps"]
-    print(f"\n{report['device']}, copy bandwidth {bw:.2f} TB/s, torch {report['torch']}, "
-          f"batch-1 kernels {report.get('kernels')}")
+    versions = "".join(f", {name} {v}" for name, v in report.get("versions", {}).items() if v)
+    print(f"\n{report['device']}, copy bandwidth {bw:.2f} TB/s, torch {report['torch']}"
+          f"{versions}, batch-1 kernels {report.get('kernels')}")
     print(f"{'shape':<10}{'engine':<30}{'tok/s b1':>10}{'roofline':>10}{'share':>7}"
           f"{'TTFT128':>9}{'TTFT2048':>10}{'load+cap s':>11}")
     for shape, entry in report["shapes"].items():

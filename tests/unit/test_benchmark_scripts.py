@@ -116,3 +116,11 @@ def test_transformers_decode_runs_get_a_cache_of_their_own_length(tmp_path, monk
     assert sizes and max(sizes[:-4]) < 2048 <= min(sizes[-4:])  # the four 2,048-token runs last
     assert set(result) >= {"ttft_128_ms", "ttft_2048_ms", "decode_tok_s", "batches"}
     assert result["batches"][2]["decode_tok_s"] > 0
+
+
+def test_gpu_decode_records_the_reference_library_versions():
+    import transformers
+
+    versions = gpu_decode.library_versions()
+    assert versions["transformers"] == transformers.__version__
+    assert set(versions) == {"triton", "transformers"}
