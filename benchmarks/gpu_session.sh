@@ -95,6 +95,8 @@ for stage in $STAGES; do
         --hf-batches $hf_batches ${HF_ARGS:-} --json "$OUT/decode_full_$stage.json" \
         > "$OUT/decode_full_$stage.log" 2>&1
       tail -14 "$OUT/decode_full_$stage.log" ;;
+    sampling) python benchmarks/sampling.py --json "$OUT/sampling.json" 2>&1 | tail -24 \
+              | tee "$OUT/sampling.txt" ;;
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
               --hf-compile llama-8b --json "$OUT/decode_8b_hf.json" 2>&1 | tail -10 \
               | tee "$OUT/decode_8b_hf.txt" ;;

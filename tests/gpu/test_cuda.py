@@ -175,6 +175,30 @@ def test_seeded_sampling_independent_of_batch(checkpoint):
     assert alone == mixed
 
 
+def test_filtered_sampling_races_in_the_kernel_and_picks_the_torch_paths_tokens():
+    """top-k / top-p / min-p rows: filtered in torch, raced in the compiled kernel; the tokens
+    must be those of the noise hash and race done in torch passes (benchmarks/sampling.py times
+    the two)."""
+    from noesis.sampling.noise import exponential
+    from noesis.sampling.sampler import SamplingTensors, argmax, filter_logits, sample
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows, vocab = 8, 128256
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3
+    logits[3, ::2] = float("-inf")
+    t = SamplingTensors(
+        temperature=torch.tensor([0.7, 1.0, 1.3, 0.9, 2.0, 0.5, 1.0, 0.8], device="cuda"),
+        top_k=torch.tensor([0, 40, 0, 7, 0, 1000, 2, 0], device="cuda"),
+        top_p=torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.8, 1.0, 0.99], device="cuda"),
+        min_p=torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0, 0.0, 0.02], device="cuda"),
+        seeds=torch.arange(rows, device="cuda") * 1000 + 3,
+        steps=torch.arange(rows, device="cuda") + 9, all_greedy=False,
+    )
+    scaled = filter_logits(logits / t.temperature[:, None], t.top_k, t.top_p, t.min_p)
+    expected = argmax(scaled - exponential(t.seeds, t.steps, vocab).log())
+    assert sample(logits, t).token_ids.tolist() == expected.tolist()
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_overlapped_steps_equal_synchronous(checkpoint, graphs):
     """On CUDA the next step is launched before the last one is read back (its pending tokens

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gemv_fused  # noqa: E402
 import gpu_decode  # noqa: E402
 import graph_ab  # noqa: E402
+import sampling  # noqa: E402
 
 from noesis.kernels import ops, triton_kernels  # noqa: E402
 
@@ -124,3 +125,23 @@ def test_gpu_decode_records_the_reference_library_versions():
     versions = gpu_decode.library_versions()
     assert versions["transformers"] == transformers.__version__
     assert set(versions) == {"triton", "transformers"}
+
+
+@pytest.mark.parametrize("name", [n for n, s in sampling.SETTINGS.items() if s[0] > 0])
+def test_sampling_benchmarks_reference_path_is_the_samplers(name):
+    """The benchmark times its filtered settings against `torch_passes`, the path the race kernel
+    replaced; on the CPU the sampler still takes that path, so both must pick the same tokens,
+    and each setting turns on exactly the filters it names."""
+    from noesis.sampling.sampler import sample
+
+    setting = sampling.SETTINGS[name]
+    t = sampling.tensors(setting, 3, "cpu")
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * 2
+    filters = {"top_k": t.top_k, "top_p": t.top_p, "min_p": t.min_p}
+    if all(f is None for f in filters.values()):
+        assert "top" not in name and "min_p" not in name
+        return
+    assert sample(logits, t).token_ids.equal(sampling.torch_passes(logits, t))
+    for key, column in filters.items():
+        on = (column > 0).all() if key != "top_p" else (column < 1).all()
+        assert bool(on) == (key in name), key

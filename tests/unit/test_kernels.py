@@ -137,6 +137,13 @@ def test_exponential_race_kernel_samples_what_the_torch_sampler_samples():
                                           seeds.to(DEVICE), steps.to(DEVICE))
     assert got.cpu().tolist() == expected.tolist()
     assert got[3].item() == logits[3].argmax().item()
+    # The runner hands the knobs over as columns of [B, 3] tensors (one copy per dtype): the
+    # kernel must follow their strides, not read row i's temperature at element i.
+    floats = torch.stack([temperature, torch.full_like(temperature, 0.5), temperature * 0], 1)
+    ints = torch.stack([torch.zeros_like(seeds), seeds, steps], 1)
+    strided = triton_kernels.exponential_race(logits.to(DEVICE), floats[:, 0].to(DEVICE),
+                                              ints[:, 1].to(DEVICE), ints[:, 2].to(DEVICE))
+    assert strided.cpu().tolist() == expected.tolist()
 
 
 def argmax_cases(rows: int = 5, vocab: int = 3000) -> torch.Tensor:
@@ -388,3 +395,85 @@ def test_missing_triton_kernels_warn_once_and_fall_back(monkeypatch):
         assert ops._triton() is None  # cached: no second warning, no second import
     finally:
         ops._triton.cache_clear()
+
+
+@pytest.mark.parametrize("filters", [
+    {"top_p": [0.9, 0.5, 1.0, 0.95, 0.3, 0.99]},
+    {"top_k": [5, 1, 0, 40, 2, 3000]},
+    {"min_p": [0.05, 0.0, 0.2, 0.01, 0.5, 0.1]},
+    {"top_k": [50, 0, 7, 3, 0, 20], "top_p": [0.8, 0.9, 1.0, 0.6, 0.95, 0.7],
+     "min_p": [0.0, 0.02, 0.1, 0.0, 0.05, 0.0]},
+])
+def test_filtered_sampling_through_the_race_kernel_picks_the_torch_paths_tokens(
+        monkeypatch, filters):
+    """With top-k / top-p / min-p the sampler filters in torch, then races the filtered logits
+    in the fused kernel (at T = 1, as they are already scaled); that must be the token its
+    elementwise noise path picks, greedy rows included, over a vocabulary of several chunks."""
+    from noesis.sampling import sampler
+
+    gen = torch.Generator().manual_seed(8)
+    rows, vocab = 6, 9000
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[2, ::3] = float("-inf")
+    knobs = {"top_k": None, "top_p": None, "min_p": None}
+    for name, values in filters.items():
+        knobs[name] = torch.tensor(values, dtype=torch.int64 if name == "top_k" else torch.float32)
+    tensors = sampler.SamplingTensors(
+        temperature=torch.tensor([1.0, 0.7, 1.3, 0.0, 2.0, 1.0]), **knobs,
+        seeds=torch.tensor([1, 2**40 + 5, 77, 9, 2**62 + 11, 123456789]),
+        steps=torch.tensor([0, 3, 17, 5, 1000, 2**33]), all_greedy=False,
+    )
+    expected = sampler.sample(logits.clone(), tensors).token_ids
+    raced = []
+    real_race = triton_kernels.exponential_race
+
+    def race(*args):
+        raced.append(args[1])
+        return real_race(*args)
+
+    monkeypatch.setattr(sampler.ops, "use_triton", lambda x: True)  # the CUDA path, interpreted
+    monkeypatch.setattr(sampler.ops, "exponential_race", race)
+    got = sampler.sample(logits.clone(), tensors).token_ids
+    assert len(raced) == 1 and raced[0].tolist() == [1.0] * rows  # filtered, then raced at T = 1
+    assert got.tolist() == expected.tolist()
+    assert got[3].item() == logits[3].argmax().item()  # the T = 0 row stays greedy
+    # the filters held: a top-k row never samples outside its k best
+    if filters.get("top_k"):
+        for row, k in enumerate(filters["top_k"]):
+            if k:
+                assert logits[row, got[row]] >= logits[row].topk(k).values[-1]
+
+
+def test_seeded_sampling_through_the_race_kernels_ignores_the_batch(checkpoints, monkeypatch):
+    """The engine's CUDA sampling path (the race kernel, with and without top-k / top-p
+    filters) run on the CPU under Triton's interpreter: a seeded request samples the same tokens
+    alone and in batches of others, with the knobs handed over as the runner builds them."""
+    from types import SimpleNamespace
+
+    from noesis import SamplingParams
+    from noesis.sampling import sampler
+
+    raced = []
+
+    def race(*args):
+        raced.append(args[0].shape[0])
+        return triton_kernels.exponential_race(*args)
+
+    monkeypatch.setattr(sampler, "ops", SimpleNamespace(
+        use_triton=lambda x: True, exponential_race=race,
+        greedy_argmax=triton_kernels.greedy_argmax))
+    llm = checkpoints.llm("llama")
+    prompts = [[0, 5, 9, 77, 100, 21], list(range(40, 60)), [3, 14, 15, 92, 65]]
+    others = [SamplingParams(temperature=1.3, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.5, top_k=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3)]
+    for target in (SamplingParams(temperature=0.8, seed=77, max_tokens=12, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=77, max_tokens=12,
+                                  ignore_eos=True)):
+        alone = llm.generate([prompts[0]], target)[0].token_ids
+        for mix, index in (([others[0], target, others[1]], 1), ([*others, target], 3),
+                           ([others[2], target], 1)):
+            batch = [prompts[(i + 1) % 3] for i in range(len(mix))]
+            batch[index] = prompts[0]
+            assert llm.generate(batch, mix)[index].token_ids == alone
+    assert max(raced) > 1  # the batches did go through the kernel together

@@ -643,8 +643,9 @@ def _mix32(x):
 
 @triton.jit
 def _race_partial(
-    logits_ptr, temp_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, stride_l, num_chunks,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
+    logits_ptr, temp_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, stride_l, stride_t,
+    stride_seed, stride_step, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    GREEDY: tl.constexpr,
 ):
     """Best (score, index) of one vocabulary chunk of one row, score = logit / T - log(E) with
     E = -log(u(seed, step, token)); a row with T == 0 scores the plain logit (greedy), and so
@@ -653,9 +654,9 @@ def _race_partial(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     if not GREEDY:
-        temp = tl.load(temp_ptr + row)
-        seed = tl.load(seed_ptr + row)
-        step = tl.load(step_ptr + row)
+        temp = tl.load(temp_ptr + row * stride_t)
+        seed = tl.load(seed_ptr + row * stride_seed)
+        step = tl.load(step_ptr + row * stride_step)
         key = _mix32((seed & 0xFFFFFFFF) ^ _mix32(((seed >> 32) & 0xFFFFFFFF)
                                                 ^ _mix32(step & 0xFFFFFFFF)))
         key2 = _mix32(key ^ 0x5BD1E995)
@@ -705,8 +706,12 @@ def _race(logits, temperature, seeds, steps, chunk: int) -> torch.Tensor:
     greedy = temperature is None
     if greedy:  # the pointers go unread
         temperature = seeds = steps = logits
+    if logits.stride(-1) != 1:
+        raise ValueError("the race needs logits with unit stride along the vocabulary")
+    # The knobs may be columns of one [B, 3] tensor (the runner copies them in one go).
     _race_partial[(batch, num_chunks)](
-        logits, temperature, seeds, steps, values, index, vocab, logits.stride(0), num_chunks,
+        logits, temperature, seeds, steps, values, index, vocab, logits.stride(0),
+        temperature.stride(0), seeds.stride(0), steps.stride(0), num_chunks,
         CHUNK=chunk, BLOCK=min(chunk, 1024), GREEDY=greedy, num_warps=4,
     )
     out = torch.empty(batch, device=logits.device, dtype=torch.int64)

@@ -1,0 +1,150 @@
+"""What a sampling step costs on the GPU, by sampling setting and batch size, on a 128k
+vocabulary: the sampler as the engine calls it (eagerly, after the decode graph's replay), and
+for the filtered settings the path it replaced (filters, then the noise hash and the race as
+~20 torch passes) and the filters alone (the full-vocabulary sort). Checks that both paths pick
+the same tokens.
+
+    python benchmarks/sampling.py [--vocab 128256] [--batches 1,8,64] [--json out.json]
+
+GPU time: CUDA events around `--reps` back-to-back calls. Wall time: the same calls timed on the
+host, synchronized once at the end. Kernels: the profiler's kernel times summed per call, the
+GPU's own work; where it is far below the GPU time the calls are bound by their launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from noesis.sampling.noise import exponential  # noqa: E402
+from noesis.sampling.sampler import SamplingTensors, argmax, filter_logits, sample  # noqa: E402
+
+SETTINGS = {  # name: (temperature, top_k, top_p, min_p); None: that filter off
+    "greedy": (0.0, None, None, None),
+    "T=0.7": (0.7, None, None, None),
+    "T=0.7 top_p=0.9": (0.7, None, 0.9, None),
+    "T=0.7 top_k=40": (0.7, 40, None, None),
+    "T=0.7 min_p=0.05": (0.7, None, None, 0.05),
+    "T=1 top_k=50 top_p=0.95": (1.0, 50, 0.95, None),
+}
+
+
+def tensors(setting: tuple, batch: int, device: str) -> SamplingTensors:
+    temperature, top_k, top_p, min_p = setting
+    if temperature == 0.0:
+        return SamplingTensors.greedy()
+    filtering = top_k is not None or top_p is not None or min_p is not None
+
+    def column(value, default, dtype):
+        if not filtering:
+            return None
+        return torch.full((batch,), default if value is None else value, dtype=dtype,
+                          device=device)
+
+    return SamplingTensors(
+        temperature=torch.full((batch,), temperature, device=device),
+        top_k=column(top_k, 0, torch.int64), top_p=column(top_p, 1.0, torch.float32),
+        min_p=column(min_p, 0.0, torch.float32),
+        seeds=torch.arange(batch, device=device, dtype=torch.int64) * 7919 + 1,
+        steps=torch.full((batch,), 12, device=device, dtype=torch.int64), all_greedy=False)
+
+
+def torch_passes(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The filtered path before the race kernel took it over (no greedy rows here)."""
+    scaled = filter_logits(logits / t.temperature[:, None], t.top_k, t.top_p, t.min_p)
+    return argmax(scaled - exponential(t.seeds, t.steps, logits.shape[-1]).log())
+
+
+def filters_only(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    return filter_logits(logits / t.temperature[:, None], t.top_k, t.top_p, t.min_p)
+
+
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(GPU us, wall us) per call."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / reps * 1e6
+    return start.elapsed_time(end) / reps * 1e3, wall
+
+
+def kernel_us(fn, reps: int = 20) -> float | None:
+    """The GPU's own work per call: the profiler's kernel (and memcpy/memset) times summed, so
+    a call bound by its launches shows how little of its time the GPU was busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        return sum(e.self_device_time_total for e in prof.key_averages()) / reps
+    except (AssertionError, AttributeError, RuntimeError) as error:  # no CUDA activity
+        print(f"kernel times unavailable: {error}", file=sys.stderr)
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("sampling.py times the CUDA sampler: no CUDA device here")
+    device = "cuda"
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "vocab": args.vocab, "rows": []}
+    print(f"{results['device']}, torch {torch.__version__}, vocab {args.vocab}; us per call, "
+          "GPU / wall")
+    print(f"{'setting':<26}{'batch':>6}{'sampler':>18}{'kernels':>9}{'torch passes':>18}"
+          f"{'filters alone':>18}{'kernels':>9}")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        gen = torch.Generator(device=device).manual_seed(batch)
+        # peaked like a model's logits: a few strong candidates over a long tail
+        logits = torch.randn(batch, args.vocab, device=device, generator=gen) * 2.0
+        logits[:, :64] += 6.0 * torch.rand(batch, 64, device=device, generator=gen)
+        for name, setting in SETTINGS.items():
+            t = tensors(setting, batch, device)
+            row = {"setting": name, "batch": batch,
+                   "sampler_us": timed(partial(sample, logits, t), args.reps),
+                   "sampler_kernels_us": kernel_us(partial(sample, logits, t))}
+            if t.top_k is not None:
+                same = sample(logits, t).token_ids.equal(torch_passes(logits, t))
+                if not same:
+                    sys.exit(f"{name}, batch {batch}: the sampler and the torch passes disagree")
+                row["torch_passes_us"] = timed(partial(torch_passes, logits, t), args.reps)
+                row["filters_us"] = timed(partial(filters_only, logits, t), args.reps)
+                row["filters_kernels_us"] = kernel_us(partial(filters_only, logits, t))
+            results["rows"].append(row)
+            line = f"{name:<26}{batch:>6}"
+            for key in ("sampler", "torch_passes", "filters"):
+                pair, kernels = row.get(f"{key}_us"), row.get(f"{key}_kernels_us")
+                line += f"{f'{pair[0]:.1f} / {pair[1]:.1f}' if pair else '-':>18}"
+                if key != "torch_passes":
+                    line += f"{f'{kernels:.1f}' if kernels is not None else '-':>9}"
+            print(line, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
