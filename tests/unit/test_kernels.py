@@ -191,6 +191,14 @@ def test_bitmask_kernel_matches_the_torch_unpacking():
     expected = logits.masked_fill(bits[:, :vocab] == 0, float("-inf"))
     got = triton_kernels.apply_token_bitmask_(logits.clone().to(DEVICE), words.to(DEVICE))
     assert torch.equal(got.cpu(), expected)
+    # Views as well: the words transposed in memory, the logits every other column of a wider
+    # buffer; the kernel follows their strides.
+    words_t = words.t().contiguous().t().to(DEVICE)
+    wide = torch.zeros(rows, 2 * vocab, device=DEVICE)
+    wide[:, ::2] = logits.to(DEVICE)
+    assert not words_t.is_contiguous() and wide[:, ::2].stride(1) == 2
+    triton_kernels.apply_token_bitmask_(wide[:, ::2], words_t)
+    assert torch.equal(wide[:, ::2].cpu(), expected) and not wide[:, 1::2].any()
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(40, 96), (8, 512), (3, 1030)])

@@ -124,7 +124,7 @@ def take_pending(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tenso
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [T, 2I] laid out [gate | up]."""
-    if use_triton(gate_up):
+    if use_triton(gate_up) and gate_up.stride(-1) == 1:
         return _triton().silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -757,13 +757,14 @@ def take_pending(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tenso
 
 
 @triton.jit
-def _apply_bitmask(logits_ptr, mask_ptr, V, W, stride_l, BLOCK: tl.constexpr):
+def _apply_bitmask(logits_ptr, mask_ptr, V, stride_l, stride_lv, stride_m, stride_mw,
+                   BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < V
-    words = tl.load(mask_ptr + row * W + cols // 32, mask=ok, other=-1)
+    words = tl.load(mask_ptr + row * stride_m + (cols // 32) * stride_mw, mask=ok, other=-1)
     allowed = ((words >> (cols % 32)) & 1) != 0
-    tl.store(logits_ptr + row * stride_l + cols, float("-inf"), mask=ok & ~allowed)
+    tl.store(logits_ptr + row * stride_l + cols * stride_lv, float("-inf"), mask=ok & ~allowed)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -771,6 +772,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     batch, vocab = logits.shape
     block = 2048
     _apply_bitmask[(batch, triton.cdiv(vocab, block))](
-        logits, bitmask, vocab, bitmask.shape[1], logits.stride(0), BLOCK=block, num_warps=4
+        logits, bitmask, vocab, logits.stride(0), logits.stride(1), bitmask.stride(0),
+        bitmask.stride(1), BLOCK=block, num_warps=4,
     )
     return logits
