@@ -160,13 +160,16 @@ def test_bf16_parity_with_transformers(checkpoint):
     assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.08, errors
 
 
-def test_seeded_sampling_independent_of_batch(checkpoint):
+@pytest.mark.parametrize("filters", [{"top_p": 0.9, "top_k": 50}, {}],
+                         ids=["filtered", "temperature-only"])
+def test_seeded_sampling_independent_of_batch(checkpoint, filters):
+    """Temperature-only rows take the race kernel straight from the logits, filtered rows after
+    torch's filters; both read each row's knobs from the runner's packed [B, 3] tensors."""
     from noesis import SamplingParams
 
     llm = make_llm(checkpoint)
-    params = SamplingParams(
-        temperature=0.9, top_p=0.9, top_k=50, max_tokens=20, seed=1234, ignore_eos=True
-    )
+    params = SamplingParams(temperature=0.9, max_tokens=20, seed=1234, ignore_eos=True,
+                            **filters)
     alone = llm.generate([PROMPTS[2]], params)[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
     mixed = llm.generate(
