@@ -1,14 +1,17 @@
-"""What a sampling step costs on the GPU, by sampling setting and batch size, on a 128k
-vocabulary: the sampler as the engine calls it (eagerly, after the decode graph's replay), and
-for the filtered settings the path it replaced (filters, then the noise hash and the race as
-~20 torch passes) and the filters alone (the full-vocabulary sort). Checks that both paths pick
-the same tokens.
+"""What a sampling step costs, by sampling setting and batch size, on a 128k vocabulary: the
+sampler as the engine calls it (on CUDA eagerly, after the decode graph's replay), and for the
+filtered settings the path it replaced (filter_logits' full-vocabulary sort, then the noise hash
+and the race as ~20 torch passes) and that sort alone. Checks that both paths pick the same
+tokens. On CUDA the sampler filters as before and races in the fused kernel; on the CPU it races
+each filtered row's candidates only.
 
-    python benchmarks/sampling.py [--vocab 128256] [--batches 1,8,64] [--json out.json]
+    python benchmarks/sampling.py [--device cuda|cpu] [--vocab 128256] [--batches 1,8,64]
+        [--json out.json]
 
-GPU time: CUDA events around `--reps` back-to-back calls. Wall time: the same calls timed on the
-host, synchronized once at the end. Kernels: the profiler's kernel times summed per call, the
-GPU's own work; where it is far below the GPU time the calls are bound by their launches.
+CUDA: GPU time from CUDA events around `--reps` back-to-back calls, and wall time (the same calls
+timed on the host, synchronized once at the end); kernels: the profiler's kernel times summed per
+call, the GPU's own work (far below the GPU time: the calls are bound by their launches). CPU:
+wall time.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def tensors(setting: tuple, batch: int, device: str) -> SamplingTensors:
 
 
 def torch_passes(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """The filtered path before the race kernel took it over (no greedy rows here)."""
+    """The filtered path before the race kernel (CUDA) and the candidate race (CPU) took it
+    over (no greedy rows here)."""
     scaled = filter_logits(logits / t.temperature[:, None], t.top_k, t.top_p, t.min_p)
     return argmax(scaled - exponential(t.seeds, t.steps, logits.shape[-1]).log())
 
@@ -67,20 +71,24 @@ def filters_only(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return filter_logits(logits / t.temperature[:, None], t.top_k, t.top_p, t.min_p)
 
 
-def timed(fn, reps: int) -> tuple[float, float]:
-    """(GPU us, wall us) per call."""
-    for _ in range(5):
+def timed(fn, reps: int, device: str) -> tuple[float | None, float]:
+    """(GPU us or None on the CPU, wall us) per call."""
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
     t0 = time.perf_counter()
-    start.record()
     for _ in range(reps):
         fn()
-    end.record()
-    torch.cuda.synchronize()
+    if cuda:
+        end.record()
+    sync()
     wall = (time.perf_counter() - t0) / reps * 1e6
-    return start.elapsed_time(end) / reps * 1e3, wall
+    return (start.elapsed_time(end) / reps * 1e3 if cuda else None), wall
 
 
 def kernel_us(fn, reps: int = 20) -> float | None:
@@ -103,42 +111,49 @@ def kernel_us(fn, reps: int = 20) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=["cuda", "cpu"])
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--batches", default="1,8,64")
-    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--reps", type=int, help="calls timed per cell (200 on CUDA, 10 on CPU)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("sampling.py times the CUDA sampler: no CUDA device here")
-    device = "cuda"
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "vocab": args.vocab, "rows": []}
-    print(f"{results['device']}, torch {torch.__version__}, vocab {args.vocab}; us per call, "
-          "GPU / wall")
-    print(f"{'setting':<26}{'batch':>6}{'sampler':>18}{'kernels':>9}{'torch passes':>18}"
-          f"{'filters alone':>18}{'kernels':>9}")
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device here")
+    cuda = device == "cuda"
+    reps = args.reps or (200 if cuda else 10)
+    name = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
+    results = {"device": name, "torch": torch.__version__, "vocab": args.vocab, "rows": []}
+    print(f"{name}, torch {torch.__version__}, vocab {args.vocab}; us per call"
+          + (", GPU / wall" if cuda else ", wall"))
+    print(f"{'setting':<26}{'batch':>6}{'sampler':>18}{'kernels':>9}{'before':>18}"
+          f"{'sort filters':>18}{'kernels':>9}")
     for batch in [int(b) for b in args.batches.split(",")]:
         gen = torch.Generator(device=device).manual_seed(batch)
         # peaked like a model's logits: a few strong candidates over a long tail
         logits = torch.randn(batch, args.vocab, device=device, generator=gen) * 2.0
         logits[:, :64] += 6.0 * torch.rand(batch, 64, device=device, generator=gen)
-        for name, setting in SETTINGS.items():
+        for setting_name, setting in SETTINGS.items():
             t = tensors(setting, batch, device)
-            row = {"setting": name, "batch": batch,
-                   "sampler_us": timed(partial(sample, logits, t), args.reps),
-                   "sampler_kernels_us": kernel_us(partial(sample, logits, t))}
+            run = partial(sample, logits, t)
+            row = {"setting": setting_name, "batch": batch, "sampler_us": timed(run, reps, device),
+                   "sampler_kernels_us": kernel_us(run) if cuda else None}
             if t.top_k is not None:
-                same = sample(logits, t).token_ids.equal(torch_passes(logits, t))
-                if not same:
-                    sys.exit(f"{name}, batch {batch}: the sampler and the torch passes disagree")
-                row["torch_passes_us"] = timed(partial(torch_passes, logits, t), args.reps)
-                row["filters_us"] = timed(partial(filters_only, logits, t), args.reps)
-                row["filters_kernels_us"] = kernel_us(partial(filters_only, logits, t))
+                if not sample(logits, t).token_ids.equal(torch_passes(logits, t)):
+                    sys.exit(f"{setting_name}, batch {batch}: the sampler and the path it "
+                             "replaced disagree")
+                row["torch_passes_us"] = timed(partial(torch_passes, logits, t), reps, device)
+                row["filters_us"] = timed(partial(filters_only, logits, t), reps, device)
+                row["filters_kernels_us"] = (kernel_us(partial(filters_only, logits, t))
+                                             if cuda else None)
             results["rows"].append(row)
-            line = f"{name:<26}{batch:>6}"
+            line = f"{setting_name:<26}{batch:>6}"
             for key in ("sampler", "torch_passes", "filters"):
                 pair, kernels = row.get(f"{key}_us"), row.get(f"{key}_kernels_us")
-                line += f"{f'{pair[0]:.1f} / {pair[1]:.1f}' if pair else '-':>18}"
+                cell = "-" if pair is None else (
+                    f"{pair[0]:.1f} / {pair[1]:.1f}" if pair[0] is not None else f"{pair[1]:.1f}")
+                line += f"{cell:>18}"
                 if key != "torch_passes":
                     line += f"{f'{kernels:.1f}' if kernels is not None else '-':>9}"
             print(line, flush=True)

@@ -207,3 +207,91 @@ def test_a_masked_vocabulary_never_yields_a_masked_token():
             all_greedy=False,
         )
         assert torch.equal(sample(logits, t).token_ids, allowed)
+
+
+# ---- the CPU's candidate race against the sorting path ------------------------------------------
+
+
+def sort_then_race(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The reference: filter_logits' sort over the whole vocabulary, then the full race."""
+    from noesis.sampling.sampler import _race, argmax, filter_logits
+
+    greedy = t.temperature == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
+    sampled = _race(filter_logits(scaled, t.top_k, t.top_p, t.min_p), t.seeds, t.steps)
+    return torch.where(greedy, argmax(logits), sampled)
+
+
+def knob_tensors(rows: list[tuple], seed: int) -> SamplingTensors:
+    """rows: (temperature, top_k, top_p, min_p) each."""
+    temperature, top_k, top_p, min_p = (torch.tensor(c) for c in zip(*rows, strict=True))
+    return SamplingTensors(
+        temperature=temperature.float(), top_k=top_k.long(), top_p=top_p.float(),
+        min_p=min_p.float(), seeds=torch.arange(len(rows)) * 7919 + seed,
+        steps=torch.arange(len(rows)) + 3 * seed, all_greedy=False,
+    )
+
+
+MIXED_ROWS = [  # (temperature, top_k, top_p, min_p)
+    (0.7, 0, 0.9, 0.0), (1.0, 40, 1.0, 0.0), (1.3, 0, 1.0, 0.05), (0.9, 50, 0.95, 0.02),
+    (1.0, 0, 1.0, 0.0),  # no filter in a filtered batch: the whole vocabulary races
+    (0.0, 5, 0.5, 0.0),  # greedy, whatever its filters say
+    (2.0, 3000, 0.99, 0.0),  # a top-k wider than the candidates
+    (1.5, 0, 0.999, 0.0),  # a nucleus wider than the candidates
+]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidate_race_picks_what_sorting_the_vocabulary_picks(seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(MIXED_ROWS), 20_000, generator=gen) * 2
+    logits[:, :50] += 5 * torch.rand(len(MIXED_ROWS), 50, generator=gen)
+    logits[3, 1::2] = float("-inf")  # a grammar's mask
+    t = knob_tensors(MIXED_ROWS, seed)
+    got = sample(logits, t).token_ids
+    assert got.tolist() == sort_then_race(logits, t).tolist()
+    assert got[5] == logits[5].argmax() and got[3] % 2 == 0
+
+
+@pytest.mark.parametrize("candidates", [1, 2, 7])
+def test_candidates_grow_until_every_nucleus_fits(monkeypatch, candidates):
+    """Flat rows keep most of their vocabulary: the candidates must grow, several times, to
+    the same answer."""
+    from noesis.sampling import sampler
+
+    monkeypatch.setattr(sampler, "CANDIDATES", candidates)
+    calls = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, *a, **kw: (
+        calls.append(k), real_topk(self, k, *a, **kw))[1])
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 3000, generator=gen) * 0.3
+    rows = [(1.0, 0, 0.98, 0.0), (1.0, 0, 0.5, 0.0), (0.8, 0, 1.0, 0.2), (1.0, 2, 1.0, 0.0)]
+    for seed in range(4):
+        t = knob_tensors(rows, seed)
+        assert sample(logits, t).token_ids.tolist() == sort_then_race(logits, t).tolist()
+    assert len(set(calls)) >= 3 and max(calls) > 1000
+
+
+def test_candidate_race_of_a_row_with_nothing_allowed_answers_token_zero():
+    logits = torch.full((2, 1000), float("-inf"))
+    logits[1, 17] = 0.0
+    t = knob_tensors([(1.0, 0, 0.9, 0.0), (1.0, 10, 1.0, 0.1)], 0)
+    assert sample(logits, t).token_ids.tolist() == sort_then_race(logits, t).tolist() == [0, 17]
+
+
+def test_candidate_race_samples_the_filtered_distribution():
+    """Over a large vocabulary (the candidates a small share of it) the draws follow the
+    top-p nucleus, renormalized."""
+    rows, vocab = 20_000, 1000
+    logits = torch.full((rows, vocab), -30.0)
+    logits[:, [10, 900, 77, 500, 3]] = PROBS[:5].log()
+    t = SamplingTensors(
+        temperature=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.int64),
+        top_p=torch.full((rows,), 0.7), min_p=torch.zeros(rows), seeds=torch.arange(rows),
+        steps=torch.zeros(rows, dtype=torch.int64), all_greedy=False,
+    )
+    drawn = sample(logits, t).token_ids
+    order = torch.tensor([10, 900, 77])
+    assert torch.isin(drawn, order).all()
+    assert_distribution((drawn[:, None] == order).int().argmax(-1), renorm(PROBS[:3]))

@@ -22,10 +22,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise [B, V] from int64 seeds [B] and steps [B]."""
+    return uniform_at(seeds, steps, torch.arange(vocab_size, device=seeds.device))
+
+
+def uniform_at(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The same noise for chosen token ids only: tokens [V] (every row) or [B, K] (per row)."""
     key = _mix32((seeds & MASK32) ^ _mix32(((seeds >> 32) & MASK32) ^ _mix32(steps & MASK32)))
     key2 = _mix32(key ^ 0x5BD1E995)
-    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    x = _mix32(((token * 0x9E3779B1) + key[:, None]) & MASK32)
+    x = _mix32(((tokens.to(torch.int64) * 0x9E3779B1) + key[:, None]) & MASK32)
     return unit_interval(_mix32(x ^ key2[:, None]))
 
 
@@ -40,3 +44,8 @@ def unit_interval(x: torch.Tensor) -> torch.Tensor:
 def exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [B, V]; argmax(p / E) samples from p."""
     return -torch.log(uniform(seeds, steps, vocab_size))
+
+
+def exponential_at(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise of chosen token ids [B, K], equal to exponential()'s at those columns."""
+    return -torch.log(uniform_at(seeds, steps, tokens))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from noesis.kernels import ops
-from noesis.sampling.noise import exponential
+from noesis.sampling.noise import exponential, exponential_at
 
 
 @dataclass(slots=True)
@@ -89,17 +89,82 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     greedy_rows = t.temperature == 0
     temperature = torch.where(greedy_rows, torch.ones_like(t.temperature), t.temperature)
     scaled = logits / temperature[:, None]
-    if filtering:
-        scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
-    if ops.use_triton(scaled) and scaled.dtype == torch.float32 and scaled.stride(-1) == 1:
-        # The same race over the filtered, already scaled logits (T = 1 divides by one exactly):
-        # the tokens the lines below would pick, without their passes over [B, V].
-        sampled = ops.exponential_race(scaled, torch.ones_like(temperature), t.seeds, t.steps)
+    if filtering and logits.device.type == "cpu" and not ops.use_triton(logits):
+        sampled = _race_filtered_on_host(scaled, t)
     else:
-        noise = exponential(t.seeds, t.steps, logits.shape[-1])
-        # argmax(p / E) == argmax(log p - log E); log-space keeps tiny probabilities apart.
-        sampled = argmax(scaled - noise.log())
+        if filtering:
+            scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
+        if ops.use_triton(scaled) and scaled.dtype == torch.float32 and scaled.stride(-1) == 1:
+            # The same race over the filtered, already scaled logits (T = 1 divides by one
+            # exactly): the tokens _race would pick, without its passes over [B, V].
+            sampled = ops.exponential_race(scaled, torch.ones_like(temperature), t.seeds,
+                                           t.steps)
+        else:
+            sampled = _race(scaled, t.seeds, t.steps)
     return torch.where(greedy_rows, argmax(logits), sampled)
+
+
+def _race(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """argmax(p / E) over the whole vocabulary, E ~ Exp(1) from (seed, step, token)."""
+    noise = exponential(seeds, steps, scaled.shape[-1])
+    # argmax(p / E) == argmax(log p - log E); log-space keeps tiny probabilities apart.
+    return argmax(scaled - noise.log())
+
+
+# A filtered row on the CPU races only its candidates: the CANDIDATES best tokens (more when its
+# nucleus or its top-k is wider), not a sorted and hashed vocabulary.
+CANDIDATES = 256
+
+
+def _race_filtered_on_host(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """What filter_logits then _race pick, for rows whose device can be asked for a count at no
+    cost (the CPU): rows without any filter race the whole vocabulary, the others their
+    candidates (_race_candidates)."""
+    batch = scaled.shape[0]
+    top_k = t.top_k if t.top_k is not None else torch.zeros(batch, dtype=torch.int64)
+    top_p = t.top_p if t.top_p is not None else torch.ones(batch)
+    min_p = t.min_p if t.min_p is not None else torch.zeros(batch)
+    filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
+    if bool(filtered.all()):
+        return _race_candidates(scaled, top_k, top_p, min_p, t.seeds, t.steps)
+    sampled = _race(scaled, t.seeds, t.steps)  # rows without a filter
+    rows = filtered.nonzero()[:, 0]
+    if len(rows):
+        sampled[rows] = _race_candidates(scaled[rows], top_k[rows], top_p[rows], min_p[rows],
+                                         t.seeds[rows], t.steps[rows])
+    return sampled
+
+
+def _race_candidates(scaled, top_k, top_p, min_p, seeds, steps) -> torch.Tensor:
+    """filter_logits' rules on each row's best tokens alone, then the race among those kept.
+
+    The kept tokens of a row are a prefix of its tokens by value: the top-k, then those whose
+    better-ranked tokens hold less than top_p of what is left, then those within min_p of the
+    best. So `topk` of a few hundred finds them unless a row keeps its last candidate; then the
+    candidates grow eightfold and the rules run again. Probabilities are normalized over the
+    whole row (or the top-k, which the candidates always cover), as filter_logits' softmax is;
+    the noise is the full race's at the same token ids, and ties go to the lowest id, so the
+    token is the one the full race over the filtered row picks."""
+    batch, vocab = scaled.shape
+    count = min(vocab, max(CANDIDATES, int(top_k.max())))
+    row_lse = torch.logsumexp(scaled, dim=-1)
+    while True:
+        values, ids = scaled.topk(count, dim=-1)  # [B, count], best first
+        in_top_k = (top_k == 0)[:, None] | (torch.arange(count) < top_k[:, None])
+        values = values.masked_fill(~in_top_k, float("-inf"))
+        lse = torch.where(top_k > 0, torch.logsumexp(values, dim=-1), row_lse)
+        probs = (values - lse[:, None]).exp()
+        before = probs.cumsum(dim=-1) - probs
+        keep = in_top_k & (before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
+        # Only a row without top-k can keep tokens past its last candidate.
+        if count == vocab or not bool((keep[:, -1] & (top_k == 0)).any()):
+            break
+        count = min(vocab, count * 8)
+    scores = torch.where(keep, values - exponential_at(seeds, steps, ids).log(), float("-inf"))
+    best = scores.max(dim=-1, keepdim=True).values
+    token = torch.where(scores == best, ids, vocab).min(dim=-1).values
+    # A row with nothing left (every logit -inf): the full race's argmax answers token 0.
+    return torch.where(best[:, 0] == float("-inf"), 0, token)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
