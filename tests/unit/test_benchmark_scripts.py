@@ -128,10 +128,10 @@ def test_gpu_decode_records_the_reference_library_versions():
 
 
 @pytest.mark.parametrize("name", [n for n, s in sampling.SETTINGS.items() if s[0] > 0])
-def test_sampling_benchmarks_reference_path_is_the_samplers(name):
+def test_sampling_benchmarks_reference_path_picks_the_samplers_tokens(name):
     """The benchmark times its filtered settings against `torch_passes`, the path the race kernel
-    replaced; on the CPU the sampler still takes that path, so both must pick the same tokens,
-    and each setting turns on exactly the filters it names."""
+    (CUDA) and the candidate race (CPU) replaced; both must pick the same tokens, and each
+    setting turns on exactly the filters it names."""
     from noesis.sampling.sampler import sample
 
     setting = sampling.SETTINGS[name]
