@@ -238,6 +238,7 @@ MIXED_ROWS = [  # (temperature, top_k, top_p, min_p)
     (0.0, 5, 0.5, 0.0),  # greedy, whatever its filters say
     (2.0, 3000, 0.99, 0.0),  # a top-k wider than the candidates
     (1.5, 0, 0.999, 0.0),  # a nucleus wider than the candidates
+    (0.0, 0, 1.0, 0.0),  # greedy without filters
 ]
 
 
@@ -250,7 +251,7 @@ def test_candidate_race_picks_what_sorting_the_vocabulary_picks(seed):
     t = knob_tensors(MIXED_ROWS, seed)
     got = sample(logits, t).token_ids
     assert got.tolist() == sort_then_race(logits, t).tolist()
-    assert got[5] == logits[5].argmax() and got[3] % 2 == 0
+    assert got[5] == logits[5].argmax() and got[8] == logits[8].argmax() and got[3] % 2 == 0
 
 
 @pytest.mark.parametrize("candidates", [1, 2, 7])

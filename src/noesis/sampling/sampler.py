@@ -118,20 +118,24 @@ CANDIDATES = 256
 
 def _race_filtered_on_host(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """What filter_logits then _race pick, for rows whose device can be asked for a count at no
-    cost (the CPU): rows without any filter race the whole vocabulary, the others their
-    candidates (_race_candidates)."""
+    cost (the CPU): filtered rows race their candidates (_race_candidates), rows without a
+    filter the whole vocabulary; greedy rows are left to the caller (0 here)."""
     batch = scaled.shape[0]
     top_k = t.top_k if t.top_k is not None else torch.zeros(batch, dtype=torch.int64)
     top_p = t.top_p if t.top_p is not None else torch.ones(batch)
     min_p = t.min_p if t.min_p is not None else torch.zeros(batch)
-    filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
-    if bool(filtered.all()):
+    greedy = t.temperature == 0
+    filtered = ((top_k > 0) | (top_p < 1) | (min_p > 0)) & ~greedy
+    if bool(filtered.all()):  # one request, or a batch of like ones
         return _race_candidates(scaled, top_k, top_p, min_p, t.seeds, t.steps)
-    sampled = _race(scaled, t.seeds, t.steps)  # rows without a filter
+    sampled = torch.zeros(batch, dtype=torch.int64)
     rows = filtered.nonzero()[:, 0]
     if len(rows):
         sampled[rows] = _race_candidates(scaled[rows], top_k[rows], top_p[rows], min_p[rows],
                                          t.seeds[rows], t.steps[rows])
+    rows = (~filtered & ~greedy).nonzero()[:, 0]
+    if len(rows):
+        sampled[rows] = _race(scaled[rows], t.seeds[rows], t.steps[rows])
     return sampled
 
 
