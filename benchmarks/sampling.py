@@ -1,9 +1,9 @@
 """What a sampling step costs, by sampling setting and batch size, on a 128k vocabulary: the
-sampler as the engine calls it (on CUDA eagerly, after the decode graph's replay), and for the
-filtered settings the path it replaced (filter_logits' full-vocabulary sort, then the noise hash
-and the race as ~20 torch passes) and that sort alone. Checks that both paths pick the same
-tokens. On CUDA the sampler filters as before and races in the fused kernel; on the CPU it races
-each filtered row's candidates only.
+sampler as the engine calls it (on CUDA eagerly, after the decode graph's replay); "before", the
+path it replaced (filter_logits' full-vocabulary sort for the filtered settings, then the noise
+hash and the race as ~20 torch passes over [B, V]); and that sort alone. Checks that both paths
+pick the same tokens. On CUDA the sampler filters as before and races in the fused kernel; on the
+CPU it races each filtered row's candidates only, and an unfiltered row's vocabulary in blocks.
 
     python benchmarks/sampling.py [--device cuda|cpu] [--vocab 128256] [--batches 1,8,64]
         [--json out.json]
@@ -61,9 +61,12 @@ def tensors(setting: tuple, batch: int, device: str) -> SamplingTensors:
 
 
 def torch_passes(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """The filtered path before the race kernel (CUDA) and the candidate race (CPU) took it
-    over (no greedy rows here)."""
-    scaled = filter_logits(logits / t.temperature[:, None], t.top_k, t.top_p, t.min_p)
+    """The race as ~20 torch passes over [B, V], after filter_logits' sort when the setting
+    filters: what the race kernel (CUDA), the candidate race and the blocked race (CPU) replaced
+    (no greedy rows here)."""
+    scaled = logits / t.temperature[:, None]
+    if t.top_k is not None:
+        scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
     return argmax(scaled - exponential(t.seeds, t.steps, logits.shape[-1]).log())
 
 
@@ -139,11 +142,12 @@ def main() -> None:
             run = partial(sample, logits, t)
             row = {"setting": setting_name, "batch": batch, "sampler_us": timed(run, reps, device),
                    "sampler_kernels_us": kernel_us(run) if cuda else None}
-            if t.top_k is not None:
+            if not t.all_greedy:
                 if not sample(logits, t).token_ids.equal(torch_passes(logits, t)):
                     sys.exit(f"{setting_name}, batch {batch}: the sampler and the path it "
                              "replaced disagree")
                 row["torch_passes_us"] = timed(partial(torch_passes, logits, t), reps, device)
+            if t.top_k is not None:
                 row["filters_us"] = timed(partial(filters_only, logits, t), reps, device)
                 row["filters_kernels_us"] = (kernel_us(partial(filters_only, logits, t))
                                              if cuda else None)

@@ -296,3 +296,28 @@ def test_candidate_race_samples_the_filtered_distribution():
     order = torch.tensor([10, 900, 77])
     assert torch.isin(drawn, order).all()
     assert_distribution((drawn[:, None] == order).int().argmax(-1), renorm(PROBS[:3]))
+
+
+@pytest.mark.parametrize("entries", [1, 5000, 1 << 18])
+def test_race_in_blocks_picks_the_full_races_token(monkeypatch, entries):
+    """The CPU races the vocabulary a block at a time; across blocks it must answer as one
+    argmax over the whole row: ties to the lowest index, an all -inf row to 0."""
+    from noesis.sampling import sampler
+    from noesis.sampling.noise import exponential
+
+    monkeypatch.setattr(sampler, "RACE_BLOCK_ENTRIES", entries)
+    gen = torch.Generator().manual_seed(2)
+    scaled = torch.randn(6, 20_000, generator=gen) * 3
+    scaled[1] = float("-inf")
+    scaled[2, :15_000] = float("-inf")  # only the last blocks are allowed
+    seeds, steps = torch.arange(6) * 31 + 1, torch.arange(6) + 2
+    full = (scaled - exponential(seeds, steps, 20_000).log()).argmax(dim=-1)
+    assert sampler._race(scaled, seeds, steps).tolist() == full.tolist()
+    assert full[1] == 0 and full[2] >= 15_000
+    # a tie across blocks (scores equal at 100 and 19,000): the lower index wins
+    tied = torch.full((1, 20_000), float("-inf"))
+    tied[0, [100, 19_000]] = 0.0
+    noise = exponential(seeds[:1], steps[:1], 20_000).log()
+    tied[0, 100] += noise[0, 100]
+    tied[0, 19_000] += noise[0, 19_000]
+    assert sampler._race(tied, seeds[:1], steps[:1]).item() == 100

@@ -106,9 +106,35 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 def _race(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """argmax(p / E) over the whole vocabulary, E ~ Exp(1) from (seed, step, token)."""
+    if scaled.device.type == "cpu":
+        return _race_in_blocks(scaled, seeds, steps)
     noise = exponential(seeds, steps, scaled.shape[-1])
     # argmax(p / E) == argmax(log p - log E); log-space keeps tiny probabilities apart.
     return argmax(scaled - noise.log())
+
+
+# On the CPU the noise hash's ~20 passes over [B, V] int64 temporaries fall out of the cache
+# from a few rows of a 128k vocabulary on; blocks of about this many entries stay in it. On the
+# 2-core workstation (benchmarks/sampling.py, 128k vocabulary): batch 32 87-131 ms -> 31-41 per
+# call; batch 8 from no gain to 2x, by run (the VM is noisy); batch 1, one block, unchanged.
+RACE_BLOCK_ENTRIES = 1 << 18
+
+
+def _race_in_blocks(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """_race, a block of the vocabulary at a time, each block's best kept when strictly better
+    than the blocks before it (so ties still go to the lowest index; an all -inf row to 0)."""
+    batch, vocab = scaled.shape
+    block = max(4096, RACE_BLOCK_ENTRIES // max(batch, 1))
+    best = torch.full((batch,), float("-inf"), dtype=scaled.dtype)
+    index = torch.zeros(batch, dtype=torch.int64)
+    for start in range(0, vocab, block):
+        ids = torch.arange(start, min(vocab, start + block))
+        scores = scaled[:, start : start + block] - exponential_at(seeds, steps, ids).log()
+        value, at = scores.max(dim=-1)
+        better = value > best
+        best = torch.where(better, value, best)
+        index = torch.where(better, at + start, index)
+    return index
 
 
 # A filtered row on the CPU races only its candidates: the CANDIDATES best tokens (more when its
