@@ -236,7 +236,7 @@ def bench_transformers(path: Path, compile_: bool, batches: list[int] = (),
         print(f"  batch {batch}:", json.dumps(result["batches"][batch]), flush=True)
     # Last: transformers sizes a static cache for the longest generation it has run (sparing a
     # recompile), so every run after this one would attend over 2,049 slots instead of 384. The
-    # 2026-11-23 static+compile decode figures were taken that way, after it.
+    # fifth session's (2026-11-23) static+compile decode figures were taken that way, after it.
     result["ttft_2048_ms"] = timed(p2048, 1, 3) * 1e3
     print("  TTFT 2048:", result["ttft_2048_ms"], flush=True)
     return result

@@ -213,13 +213,16 @@ def test_a_masked_vocabulary_never_yields_a_masked_token():
 
 
 def sort_then_race(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """The reference: filter_logits' sort over the whole vocabulary, then the full race."""
-    from noesis.sampling.sampler import _race, argmax, filter_logits
+    """The reference: filter_logits' sort over the whole vocabulary, then the race as one
+    argmax over it (not the sampler's blocked race, which is under test too)."""
+    from noesis.sampling.noise import exponential
+    from noesis.sampling.sampler import filter_logits
 
     greedy = t.temperature == 0
     scaled = logits / torch.where(greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
-    sampled = _race(filter_logits(scaled, t.top_k, t.top_p, t.min_p), t.seeds, t.steps)
-    return torch.where(greedy, argmax(logits), sampled)
+    filtered = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
+    sampled = (filtered - exponential(t.seeds, t.steps, logits.shape[-1]).log()).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
 def knob_tensors(rows: list[tuple], seed: int) -> SamplingTensors:
