@@ -129,19 +129,19 @@ def test_gpu_decode_records_the_reference_library_versions():
 
 @pytest.mark.parametrize("name", [n for n, s in sampling.SETTINGS.items() if s[0] > 0])
 def test_sampling_benchmarks_reference_path_picks_the_samplers_tokens(name):
-    """The benchmark times its filtered settings against `torch_passes`, the path the race kernel
-    (CUDA) and the candidate race (CPU) replaced; both must pick the same tokens, and each
-    setting turns on exactly the filters it names."""
+    """The benchmark times its sampled settings against `torch_passes`, the path the race
+    kernel (CUDA) and the candidate and blocked races (CPU) replaced; both must pick the same
+    tokens, and each setting turns on exactly the filters it names."""
     from noesis.sampling.sampler import sample
 
     setting = sampling.SETTINGS[name]
     t = sampling.tensors(setting, 3, "cpu")
     logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * 2
+    assert sample(logits, t).token_ids.equal(sampling.torch_passes(logits, t))
     filters = {"top_k": t.top_k, "top_p": t.top_p, "min_p": t.min_p}
     if all(f is None for f in filters.values()):
         assert "top" not in name and "min_p" not in name
         return
-    assert sample(logits, t).token_ids.equal(sampling.torch_passes(logits, t))
     for key, column in filters.items():
         on = (column > 0).all() if key != "top_p" else (column < 1).all()
         assert bool(on) == (key in name), key
