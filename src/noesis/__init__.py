@@ -22,7 +22,7 @@ _EXPORTS = {
         for name in (
             "NoesisError", "InvalidRequest", "InvalidSamplingParams", "PromptTooLong",
             "ModelNotFound", "UnsupportedModel", "CheckpointError", "CheckpointMismatch",
-            "ChatTemplateError", "ConfigError", "OutOfKVCache",
+            "ChatTemplateError", "ConfigError", "OutOfKVCache", "InvalidModelConfig",
         )
     },
 }
@@ -31,7 +31,7 @@ __all__ = [
     "LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "NoesisError",
     "InvalidRequest", "InvalidSamplingParams", "PromptTooLong", "ModelNotFound",
     "UnsupportedModel", "CheckpointError", "CheckpointMismatch", "ChatTemplateError",
-    "ConfigError", "OutOfKVCache",
+    "ConfigError", "OutOfKVCache", "InvalidModelConfig",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         CheckpointError,
         CheckpointMismatch,
         ConfigError,
+        InvalidModelConfig,
         InvalidRequest,
         InvalidSamplingParams,
         ModelNotFound,

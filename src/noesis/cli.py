@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
         help="Harmony models: sample freely instead of under the turn grammar (which keeps "
         "channels well formed and tool arguments valid for the tool's schema)",
     )
+    chat.add_argument(
+        "--tool-timeout", type=float, default=None, metavar="SECONDS",
+        help="seconds a tool call may run before its result is a timeout error (an isolated "
+        "tool's worker process is killed then; default: the tool executor's, 30)",
+    )
     _add_sampling_args(chat)
     chat.set_defaults(handler=_chat)
 
@@ -113,34 +118,48 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1")
-    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--port", type=_int_in(0, 65535), default=8000)
     net.add_argument("--served-model-name", help="the name clients send (default: the model dir)")
     net.add_argument(
         "--api-key", default=os.environ.get("NOESIS_API_KEY"),
-        help="require this Bearer key on /v1/* (default: $NOESIS_API_KEY; none: open)",
-    )
-    net.add_argument("--max-n", type=int, default=16, help="most choices per request")
-    net.add_argument(
-        "--max-tokens-limit", type=int, help="most tokens per choice (default: the context)"
+        help="require this Bearer key on every route but /health (default: $NOESIS_API_KEY; "
+        "none: open; an empty key is an error)",
     )
     net.add_argument(
-        "--max-queue", type=int, default=256,
+        "--metrics-public", action="store_true",
+        help="serve /metrics without the API key (for a scraper on a trusted network)",
+    )
+    net.add_argument(
+        "--enable-docs", action="store_true",
+        help="serve /docs, /redoc and /openapi.json (behind the API key, as every route is)",
+    )
+    net.add_argument("--max-n", type=_int_in(1, _COUNT_MAX), default=16,
+                     help="most choices per request")
+    net.add_argument(
+        "--max-tokens-limit", type=_int_in(1, _COUNT_MAX),
+        help="most tokens per choice (default: the context)",
+    )
+    net.add_argument(
+        "--max-queue", type=_int_in(0, _COUNT_MAX), default=256,
         help="requests that may wait beyond the running batch before 429 (default 256)",
     )
     net.add_argument(
-        "--shutdown-timeout", type=float, default=30.0,
+        "--shutdown-timeout", type=_seconds, default=30.0,
         help="seconds running requests get to finish after SIGTERM (default 30)",
     )
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_limit_args(parser)
     eng = parser.add_argument_group("engine")
-    eng.add_argument("--max-num-seqs", type=int, default=64, help="running batch size (default 64)")
+    eng.add_argument("--max-num-seqs", type=_int_in(1, _COUNT_MAX), default=64,
+                     help="running batch size (default 64)")
     eng.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048,
+        "--max-num-batched-tokens", type=_int_in(1, _COUNT_MAX), default=2048,
         help="tokens per step, also the prefill chunk (default 2048)",
     )
-    eng.add_argument("--kv-cache-memory", type=int, help="bytes for the KV pool")
-    eng.add_argument("--page-size", type=int, default=16)
-    eng.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
+    eng.add_argument("--kv-cache-memory", type=_int_in(1, _INT64_MAX), help="bytes for the KV pool")
+    eng.add_argument("--page-size", type=_int_in(1, _COUNT_MAX), default=16)
+    eng.add_argument("--seed", type=_int_in(-_INT64_MAX - 1, _INT64_MAX), default=0,
+                     help="seeds requests that bring no seed")
     eng.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false",
         help="do not reuse KV pages of shared prompt prefixes",
@@ -150,6 +169,63 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="plan and launch the next engine step while the device runs this one (default: on "
         "CUDA, off elsewhere); --no-overlap-steps reads every step back first",
     )
+
+
+_COUNT_MAX = 2**31 - 1  # as ServeConfig's counts
+_INT64_MAX = 2**63 - 1
+_MAX_JSON_DEPTH = 512  # json.loads recurses per level: keep clear of Python's recursion limit
+
+
+# Flag -> help; the defaults are RequestLimits' (noesis.server.config), stated here so that
+# building the parser does not import the server (and torch) for every command.
+_LIMIT_FLAGS = {
+    "max-json-depth": "nesting of the body's JSON (default 64, at most 512)",
+    "max-prompt-chars": "characters of one prompt (default: the context length times the "
+    "tokenizer's longest token, the most that can fit)",
+    "max-messages": "messages of one chat request (default 2048)",
+    "max-stop": "stop strings per request (default 16)",
+    "max-stop-chars": "characters of one stop string (default 1024)",
+    "max-tools": "tools of one chat request (default 128)",
+    "max-schema-bytes": "bytes of compact JSON of one tool's parameters or response_format "
+    "schema (default 262144)",
+    "max-schema-depth": "nesting of one such schema (default 48)",
+}
+
+
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    limits = parser.add_argument_group("request limits (checked before any work; over is a 400)")
+    limits.add_argument(
+        "--max-body-bytes", type=_int_in(1, _COUNT_MAX), default=16 << 20, metavar="N",
+        help="bytes of one request body; more is a 413 (default 16777216)",
+    )
+    for flag, help_text in _LIMIT_FLAGS.items():
+        hi = _MAX_JSON_DEPTH if flag == "max-json-depth" else _COUNT_MAX
+        limits.add_argument(f"--{flag}", type=_int_in(1, hi), metavar="N", help=help_text)
+
+
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi]; otherwise an error naming the flag (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not 0 <= value <= 1e9:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1e9 seconds, got {text}")
+    return value
 
 
 def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
@@ -216,6 +292,10 @@ def _stream_to_terminal(deltas) -> str:
 
 def _chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
+    if args.tool_timeout is not None and not 0 < args.tool_timeout <= 1e9:  # NaN fails too
+        from noesis.errors import ConfigError
+
+        raise ConfigError(f"--tool-timeout must be in (0, 1e9] seconds, got {args.tool_timeout}")
     llm = _load(args)
     reply = _chat_reply(args, llm, params)
     history = [{"role": "system", "content": args.system}] if args.system else []
@@ -250,6 +330,11 @@ def _chat_reply(args: argparse.Namespace, llm, params):
         return lambda history, message: _reply(llm, history, message, params)
     bundled = Path(_model_arg(args)).resolve() in BUNDLED_MODELS
     declared = chat.tool_declarations(args.tools or ("builtin" if bundled else "none"))
+    executor = chat.builtin_executor()
+    if args.tool_timeout is not None:
+        from noesis.tools.executor import ToolExecutor
+
+        executor = ToolExecutor(executor.registry, timeout_s=args.tool_timeout)
     display = chat.Display()
     if not args.unconstrained:
         from noesis.structured.harmony_grammar import harmony_turn_spec
@@ -258,7 +343,7 @@ def _chat_reply(args: argparse.Namespace, llm, params):
 
     def reply(history: list[dict], message: str) -> None:
         history.append({"role": "user", "content": message})
-        chat.run_turn(llm, history, declared, params, display)
+        chat.run_turn(llm, history, declared, params, display, executor=executor)
 
     return reply
 
@@ -319,9 +404,16 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.api_key is not None and not args.api_key.strip():
+        print(
+            "noesis serve: error: the API key (--api-key or $NOESIS_API_KEY) is empty: that "
+            "would leave the server open; give a real key, or none for an open server",
+            file=sys.stderr,
+        )
+        return 2
     from noesis.engine.engine import EngineConfig
     from noesis.server.app import serve
-    from noesis.server.config import ServeConfig
+    from noesis.server.config import RequestLimits, ServeConfig
 
     engine = EngineConfig(
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -329,10 +421,14 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, seed=args.seed,
         enable_prefix_caching=args.prefix_caching, overlap_steps=args.overlap_steps,
     )
+    names = [flag.replace("-", "_") for flag in _LIMIT_FLAGS]
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     config = ServeConfig(
         model=_model_arg(args), engine=engine, served_model_name=args.served_model_name,
-        host=args.host, port=args.port, api_key=args.api_key or None, max_n=args.max_n,
+        host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
+        metrics_public=args.metrics_public, enable_docs=args.enable_docs,
         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes, limits=RequestLimits(**given),
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
     )
     return serve(config)

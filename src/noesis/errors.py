@@ -43,6 +43,15 @@ class CheckpointError(NoesisError, ValueError):
     """A checkpoint file is unreadable, corrupt or truncated."""
 
 
+class InvalidModelConfig(CheckpointError):
+    """config.json holds a value of the wrong type, out of range, or inconsistent with another;
+    `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"config.json: {field}: {message}")
+        self.field = field
+
+
 class CheckpointMismatch(CheckpointError):
     """The checkpoint's tensors do not match the model: missing, unexpected or mis-shaped."""
 

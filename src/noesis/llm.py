@@ -127,13 +127,11 @@ class LLM:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
+        """Prompt ids of a conversation through the chat template, with any BOS it writes. Only
+        the template writes control tokens: the messages' strings are text (encode_chat)."""
         if not messages:
             raise InvalidRequest("messages is empty")
-        text = self.tokenizer.apply_chat_template(
-            messages, tools, add_generation_prompt, **template_kwargs
-        )
-        # The template already wrote any BOS it wants.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(messages, tools, add_generation_prompt, **template_kwargs)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as they are decoded; closing the iterator aborts the request."""

@@ -1,4 +1,5 @@
-"""API key (401), admission control (429 + Retry-After), and `noesis serve` argument handling."""
+"""API key (401), admission control (429 + Retry-After), and `noesis serve` argument handling.
+(tests/e2e/test_edge_validation.py checks the key on every route, /metrics behind it.)"""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ KEY = "sk-test-123"
 
 @pytest.fixture(scope="module")
 def strict_server(start_server):
-    """One running sequence, one waiting, API key from the environment."""
-    return start_server("--max-num-seqs", "1", "--max-queue", "1", env={"NOESIS_API_KEY": KEY})
+    """One running sequence, one waiting, API key from the environment, /metrics left open."""
+    return start_server(
+        "--max-num-seqs", "1", "--max-queue", "1", "--metrics-public", env={"NOESIS_API_KEY": KEY}
+    )
 
 
 def test_api_key_required_on_v1(strict_server):
@@ -32,9 +35,14 @@ def test_api_key_required_on_v1(strict_server):
         model=MODEL_NAME, messages=chat("Hi"), max_tokens=2
     )
     assert out.choices[0].message.content is not None
-    # health and metrics stay open for probes and scrapers
+    # health stays open for probes; metrics only with --metrics-public (else behind the key)
     assert httpx.get(strict_server.url + "/health").status_code == 200
     assert httpx.get(strict_server.url + "/metrics").status_code == 200
+    # the docs are off unless --enable-docs: a key holder gets 404, anyone else 401 first
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(strict_server.url + path).status_code == 401
+        assert httpx.get(strict_server.url + path, headers=headers).status_code == 404
 
 
 def test_queue_full_is_429_with_retry_after(strict_server):

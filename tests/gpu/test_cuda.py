@@ -318,3 +318,42 @@ def test_programmatic_dependent_launch_changes_no_result(checkpoint, monkeypatch
         outputs.append([llm.generate([p], params)[0] for p in (PROMPTS[2], PROMPTS[0])])
     for a, b in zip(*outputs, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_nan_logits_end_one_request_under_graphs(checkpoint, overlap):
+    """A row whose logits go NaN on the graph path ends that request with an error; the tokens
+    it fed the next (overlapped) step were valid ids, so the device never faults, and the other
+    requests' tokens are those of the same batch where that request stops there by its length
+    (the same graph buckets: bf16 logits may differ in their last bits between buckets)."""
+    import dataclasses
+
+    from noesis import SamplingParams
+
+    llm = make_llm(checkpoint, overlap_steps=overlap)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    stops_early = dataclasses.replace(params, max_tokens=4)
+    reference = llm.generate(PROMPTS, [params, stops_early, params, params])
+    alone = llm.generate([PROMPTS[1]], params)[0].token_ids
+    runner, forward = llm.engine.runner, llm.engine.runner._forward
+    engine, bad = llm.engine, {}
+
+    def poisoned(plan, previous):
+        logits = forward(plan, previous)
+        sampling = [item.seq for item in plan.scheduled if item.samples]
+        for row, seq in enumerate(sampling):
+            if seq.request_id == bad.get("id") and seq.num_output >= 4:
+                logits[row] = float("nan")
+        return logits
+
+    runner._forward = poisoned
+    try:
+        ids = [engine.add_request(p, params, stream=False) for p in PROMPTS]
+        bad["id"] = ids[1]
+        outs = llm._run_to_completion(ids, False)
+    finally:
+        del runner._forward
+    assert outs[1].finish_reason == "error" and "not finite" in outs[1].error
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert runner.step_counts["graph"] > 0 and engine.allocator.num_used == 0
+    assert llm.generate([PROMPTS[1]], params)[0].token_ids == alone  # the device is fine

@@ -34,8 +34,11 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.fail_next_step = False
 
-    def add_request(self, token_ids, params: SamplingParams, request_id: str, delta: bool) -> str:
-        assert delta
+    num_compiling = 0  # no grammars here
+
+    def add_request(self, token_ids, params: SamplingParams, request_id: str, delta: bool,
+                    wait_for_grammar: bool = True) -> str:
+        assert delta and not wait_for_grammar
         if token_ids == BAD_PROMPT:
             raise InvalidRequest("bad prompt")
         self.requests[request_id] = (list(token_ids), params.max_tokens, [])
@@ -43,6 +46,9 @@ class FakeEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def is_compiling(self, request_id: str) -> bool:
+        return False
 
     def step(self) -> list[RequestOutput]:
         time.sleep(0.001)

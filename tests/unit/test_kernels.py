@@ -5,7 +5,9 @@ On the lent GPU the same comparisons run compiled (tests/gpu/test_cuda.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -164,6 +166,50 @@ def test_greedy_argmax_kernel_matches_torch_argmax():
     got = triton_kernels.greedy_argmax(logits.to(DEVICE))
     assert got.dtype == torch.int64
     assert got.cpu().tolist() == logits.argmax(dim=-1).tolist() == [700, 1030, 2993, 2999, 0]
+
+
+def test_race_kernels_report_rows_that_cannot_give_a_token():
+    """With `report`, both kernels also return the ids with -1 where a row holds NaN or +inf
+    (in any chunk) or no finite logit at all; the ids themselves stay valid indices."""
+    logits = argmax_cases(rows=7)
+    logits[5, 1500] = float("nan")  # in the middle chunk only
+    logits[6, 2999] = float("inf")  # in the last, partial chunk
+    usable = [True, True, True, True, False, False, False]
+    for kernel in (triton_kernels.greedy_argmax, partial(
+            triton_kernels.exponential_race, temperature=torch.full((7,), 0.8, device=DEVICE),
+            seeds=torch.arange(7, device=DEVICE), steps=torch.zeros(7, dtype=torch.int64,
+                                                                       device=DEVICE))):
+        ids, reported = kernel(logits.to(DEVICE), report=True)
+        assert ids.cpu().tolist() == kernel(logits.to(DEVICE)).cpu().tolist()
+        assert ((0 <= ids) & (ids < 3000)).all()
+        assert [r != -1 for r in reported.cpu().tolist()] == usable
+        assert [r for r, ok in zip(reported.tolist(), usable, strict=True) if ok] == \
+            [i for i, ok in zip(ids.tolist(), usable, strict=True) if ok]
+
+
+def test_the_sampler_reports_unusable_rows_on_every_path(monkeypatch):
+    """SamplerOutput.reported_ids: the torch paths (CPU) and the kernels (interpreted) agree,
+    greedy, sampled and filtered alike."""
+    from noesis.sampling import sampler
+
+    logits = argmax_cases(rows=7)
+    logits[5, 1500] = float("nan")
+    logits[6, 2999] = float("inf")
+    expected_bad = [False, False, False, False, True, True, True]
+    settings = [sampler.SamplingTensors.greedy(), sampler.SamplingTensors(
+        temperature=torch.tensor([0.8, 0.0, 1.0, 0.5, 1.0, 0.7, 0.9]), top_k=None, top_p=None,
+        min_p=None, seeds=torch.arange(7), steps=torch.zeros(7, dtype=torch.int64),
+        all_greedy=False)]
+    settings.append(dataclasses.replace(settings[1], top_k=torch.full((7,), 5)))
+    for kernels in (False, True):
+        if kernels:
+            monkeypatch.setattr(sampler.ops, "use_triton", lambda x: True)
+        for tensors in settings:
+            out = sampler.sample(logits.clone(), tensors)
+            assert [r == -1 for r in out.reported_ids.tolist()] == expected_bad
+            assert ((0 <= out.token_ids) & (out.token_ids < 3000)).all()
+    monkeypatch.setattr(sampler, "CHECK_ROWS", False)
+    assert sampler.sample(logits.clone(), settings[0]).reported_ids is None
 
 
 def test_take_pending_kernel_gathers_only_rows_with_a_source():
@@ -463,9 +509,9 @@ def test_seeded_sampling_through_the_race_kernels_ignores_the_batch(checkpoints,
 
     raced = []
 
-    def race(*args):
+    def race(*args, **kwargs):
         raced.append(args[0].shape[0])
-        return triton_kernels.exponential_race(*args)
+        return triton_kernels.exponential_race(*args, **kwargs)
 
     monkeypatch.setattr(sampler, "ops", SimpleNamespace(
         use_triton=lambda x: True, exponential_race=race,

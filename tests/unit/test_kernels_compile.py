@@ -73,6 +73,11 @@ def launches() -> dict[str, tuple]:
             torch.zeros(2, 128256), torch.ones(2), torch.zeros(2, dtype=torch.int64),
             torch.zeros(2, dtype=torch.int64)),
         "greedy argmax": lambda: tk.greedy_argmax(torch.zeros(2, 128256)),
+        "exponential race, reporting rows": lambda: tk.exponential_race(
+            torch.zeros(2, 128256), torch.ones(2), torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64), report=True),
+        "greedy argmax, reporting rows": lambda: tk.greedy_argmax(
+            torch.zeros(2, 128256), report=True),
         "pending tokens": lambda: tk.take_pending(
             torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64),
             torch.zeros(8, dtype=torch.int64)),

@@ -7,7 +7,10 @@ HTTP work, nor the reverse) or on a thread (EngineThread). Requests ask for delt
 what a step added), so no step copies a request's history; the event loop files each output in
 its consumer's Outbox, and a consumer that fell behind takes all that is pending in one wake-up,
 merged per request. Requests join and leave the running batch at any step (continuous
-batching); a failed step fails the requests in flight, never the loop.
+batching). A request whose grammar is compiling waits outside the batch and is accepted once
+it compiled. A failure one request explains ends that request alone (the engine isolates it); a
+step that fails for no one request fails the requests in flight, and in a child process the
+engine then exits and AsyncEngine starts a fresh one while the server stays up.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import gc
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -29,7 +33,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from noesis.engine.engine import Engine, EngineConfig
+from noesis.engine.engine import Engine, EngineConfig, EngineFault
 from noesis.engine.outputs import RequestOutput, merge_deltas
 from noesis.errors import NoesisError
 from noesis.sampling.params import SamplingParams
@@ -40,6 +44,13 @@ log = logging.getLogger("noesis.engine")
 Item = RequestOutput | BaseException  # what an Outbox holds for a request: a delta, or its end
 # ("add", request_id, token_ids, params) | ("abort", request_id) | ("stop",)
 Command = tuple[Any, ...]
+COMPILE_POLL_S = 0.005  # how often an otherwise idle engine loop looks at compiling grammars
+# The child's exit status after a step failed for no one request: "start a fresh engine".
+EXIT_FAULT = 70
+# A fresh engine process after each fault, but not more than this many within RESTART_WINDOW_S:
+# an engine that keeps failing is left down (503s, /health unavailable) instead of looping.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
 
 
 class QueueFull(NoesisError):
@@ -59,6 +70,11 @@ class EngineDead(NoesisError):
 
 class EngineStepError(NoesisError):
     """An engine step failed; the requests it carried were aborted."""
+
+
+class RequestFailed(NoesisError):
+    """One request failed on its own (its logits, its grammar, a step that failed only with it);
+    the engine and the other requests went on."""
 
 
 @dataclass(slots=True)
@@ -198,11 +214,19 @@ class EngineStats:
     kv_pages_cached: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    compiling: int = 0  # requests waiting for their grammar
+    isolated_steps: int = 0  # steps that failed and were re-run one sequence at a time
+    request_errors: int = 0  # requests ended by a failure of their own
+    grammar: dict[str, int] = field(default_factory=dict)  # the grammar compiler's stats()
 
     @classmethod
     def of(cls, engine: Engine) -> EngineStats:
         scheduler, allocator, cache = engine.scheduler, engine.allocator, engine.prefix_cache
         return cls(
+            grammar=engine.grammar_stats(),
+            compiling=engine.num_compiling,
+            isolated_steps=engine.fault_counts["isolated_steps"],
+            request_errors=engine.fault_counts["request_errors"],
             waiting=len(scheduler.waiting),
             running=len(scheduler.running),
             kv_pages_total=allocator.num_pages,
@@ -228,59 +252,80 @@ class Report:
 
 
 class EngineLoop:
-    """The engine's side: apply the commands that came (waiting for one only while idle), step,
-    report the round."""
+    """The engine's side: apply the commands that came (waiting for one only while idle), admit
+    compiled requests, step, report the round. With `exit_on_fault`, a step that fails for no
+    one request ends the loop (raising EngineFault) once its round is reported."""
 
     def __init__(
         self,
         engine: Engine,
-        receive: Callable[[bool], list[Command]],
+        receive: Callable[[float | None], list[Command]],
         report: Callable[[Report], None],
         stats: Callable[[Engine], EngineStats] = EngineStats.of,
+        exit_on_fault: bool = False,
     ) -> None:
         self.engine = engine
-        self.receive = receive  # receive(block) -> commands; blocks for one when block is True
+        self.receive = receive  # receive(timeout) -> commands; None: wait for one, 0: don't wait
         self.report = report
         self.stats = stats
+        self.exit_on_fault = exit_on_fault
 
     def run(self) -> None:
         while True:
             report = Report()
-            if not self._apply(self.receive(not self.engine.has_unfinished()), report):
+            if not self._apply(self.receive(self._wait_s()), report):
                 break
+            if self.engine.num_compiling:
+                admitted, rejected = self.engine.poll_compiles()
+                report.accepted += admitted
+                report.rejected += rejected
             if report.accepted or report.rejected:
                 self.report(report)  # answers now: their responses get ready during the step
                 report = Report()
-            if self.engine.has_unfinished():
-                self._step(report)
+            fault = self._step(report) if self.engine.has_unfinished() else None
             report.stats = self.stats(self.engine)
             self.report(report)
+            if fault is not None and self.exit_on_fault:
+                raise EngineFault("the engine state is unknown after a failed step") from fault
         self.engine.abort_all()
 
+    def _wait_s(self) -> float | None:
+        if self.engine.has_unfinished():
+            return 0
+        return COMPILE_POLL_S if self.engine.num_compiling else None
+
     def _apply(self, commands: list[Command], report: Report) -> bool:
-        """Adds and aborts, in order; False at a stop."""
+        """Adds and aborts, in order; False at a stop. An add whose grammar is still compiling
+        is answered when poll_compiles() admits or rejects it."""
         for command in commands:
             if command[0] == "add":
                 _, request_id, token_ids, params = command
                 try:
-                    self.engine.add_request(token_ids, params, request_id, delta=True)
+                    self.engine.add_request(
+                        token_ids, params, request_id, delta=True, wait_for_grammar=False
+                    )
                 except Exception as exc:
                     report.rejected.append((request_id, exc))
                 else:
-                    report.accepted.append(request_id)
+                    if not self.engine.is_compiling(request_id):
+                        report.accepted.append(request_id)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
             else:
                 return False
         return True
 
-    def _step(self, report: Report) -> None:
+    def _step(self, report: Report) -> BaseException | None:
+        """One engine step into `report`; returns what it raised (the requests in flight then
+        fail), or None."""
         try:
             report.outputs = self.engine.step()
         except Exception as exc:  # keep serving: fail only the requests in flight
             log.exception("engine step failed")
             report.failed = [out.request_id for out in self.engine.abort_all()]
             report.error = EngineStepError(f"the engine step failed: {exc!r}")
+            return exc
+        return None
 
 
 OnReport = Callable[[Report], None]
@@ -288,7 +333,10 @@ OnLost = Callable[[BaseException], None]
 
 
 class EngineThread:
-    """The EngineLoop on a thread of this process: it shares the GIL with the event loop."""
+    """The EngineLoop on a thread of this process: it shares the GIL with the event loop. It is
+    not restarted after a fault: its loop aborts the requests in flight and goes on."""
+
+    restartable = False
 
     def __init__(self, engine: Engine, stats: Callable[[Engine], EngineStats] = EngineStats.of):
         self.engine = engine
@@ -332,8 +380,13 @@ class EngineThread:
     def close(self) -> None:
         pass
 
-    def _receive(self, block: bool) -> list[Command]:
-        commands = [self._commands.get()] if block else []
+    def _receive(self, timeout: float | None) -> list[Command]:
+        commands = []
+        if timeout != 0:
+            try:
+                commands.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -344,11 +397,20 @@ class EngineThread:
 class EngineProcess:
     """The Engine and its EngineLoop in a child process, so that HTTP work and engine steps never
     queue for one GIL. Commands go down a pipe from a sender thread (the event loop never blocks
-    on a full pipe); reports come up another, read by the event loop as they arrive."""
+    on a full pipe); reports come up another, read by the event loop as they arrive. After a
+    fault the child exits; `respawn()` loads a fresh one with the same arguments."""
+
+    restartable = True
 
     def __init__(
-        self, process: BaseProcess, commands: Connection, reports: Connection, info: EngineInfo
+        self,
+        process: BaseProcess,
+        commands: Connection,
+        reports: Connection,
+        info: EngineInfo,
+        spawn_args: tuple[str, EngineConfig, str],
     ) -> None:
+        self._spawn_args = spawn_args
         self._process = process
         self._commands = commands  # Connection, parent -> child
         self._reports = reports  # Connection, child -> parent
@@ -381,9 +443,14 @@ class EngineProcess:
         if kind == "error":
             process.join()
             raise _unpack_error(payload)
-        backend = cls(process, commands, reports, payload)
+        backend = cls(process, commands, reports, payload, (model, config, log_level))
         atexit.register(backend.close)  # before multiprocessing's own exit hook joins the child
         return backend
+
+    def respawn(self) -> EngineProcess:
+        """A fresh child with this one's arguments (blocks while it loads); this one is closed."""
+        self.close()
+        return EngineProcess.spawn(*self._spawn_args)
 
     @property
     def alive(self) -> bool:
@@ -441,6 +508,7 @@ def _engine_process_main(
     Once loaded, the parent alone decides when it ends (it drains first): SIGINT and SIGTERM
     are ignored, and a closed pipe means stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent's
+    _exit_with_parent()
     setup_logging(log_level)
     try:
         engine = Engine(model, config)
@@ -453,7 +521,25 @@ def _engine_process_main(
     if pipes.send(("ready", info)):
         gc.collect()
         gc.freeze()  # the model and libraries stay: collections scan only what steps allocate
-        EngineLoop(engine, pipes.receive, pipes.report).run()
+        try:
+            EngineLoop(engine, pipes.receive, pipes.report, exit_on_fault=True).run()
+        except EngineFault:
+            log.exception("engine fault: this engine process exits, the server starts another")
+            logging.shutdown()
+            os._exit(EXIT_FAULT)  # no teardown of a device in an unknown state
+
+
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """The engine process never outlives the server: a thread (alive while the model loads, or
+    while a read of a bad file blocks) ends this process once its parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="noesis-parent-watch", daemon=True).start()
 
 
 class _ChildPipes:
@@ -464,10 +550,10 @@ class _ChildPipes:
         self.reports = reports
         self.parent_gone = False
 
-    def receive(self, block: bool) -> list[Command]:
+    def receive(self, timeout: float | None) -> list[Command]:
         received: list[Command] = []
         try:
-            if (block or self.commands.poll()) and not self.parent_gone:
+            if not self.parent_gone and self.commands.poll(timeout):
                 received.append(self.commands.recv())
             while not self.parent_gone and self.commands.poll():
                 received.append(self.commands.recv())
@@ -536,6 +622,12 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats = EngineStats()
         self.num_step_failures = 0
+        self.num_restarts = 0
+        self._restarting = False
+        self._restart_times: list[float] = []
+        self._restart_task: asyncio.Future | None = None
+        # fault counters of engine processes that were replaced (a fresh one counts from 0)
+        self._past_faults = {"isolated_steps": 0, "request_errors": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -546,7 +638,13 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self.backend.alive and not self._stopping and not self._lost
+        return self.backend.alive and not (self._stopping or self._lost or self._restarting)
+
+    def fault_counts(self) -> dict[str, int]:
+        """Steps isolated and requests failed alone, over every engine process so far."""
+        stats = self._stats
+        now = {"isolated_steps": stats.isolated_steps, "request_errors": stats.request_errors}
+        return {key: self._past_faults[key] + now[key] for key in now}
 
     @property
     def num_in_flight(self) -> int:
@@ -575,6 +673,8 @@ class AsyncEngine:
         `first_index` in params order, and the caller reads the outbox."""
         if self._stopping or self._lost:
             raise EngineDead("the engine is not running")
+        if self._restarting:
+            raise EngineDead("the engine is restarting after a failure; retry in a few seconds")
         if len(self._requests) + len(params) > self.max_in_flight:
             raise QueueFull(len(self._requests), self.max_in_flight)
         streams = []
@@ -654,8 +754,48 @@ class AsyncEngine:
             if out.finished:
                 times.finished = now
                 del self._requests[out.request_id]
-            request.outbox.put(request.index, out)
+            item: Item = out if out.error is None else RequestFailed(out.error)
+            request.outbox.put(request.index, item)
 
     def _on_lost(self, error: BaseException) -> None:
-        self._lost = True
+        """The engine loop ended on its own (a fault, a crash): fail what was in flight, then
+        start a fresh engine process where the backend can, within the restart budget."""
         self.fail_all(error)
+        self._past_faults = self.fault_counts()
+        self._stats = EngineStats()
+        if self._stopping or not self._may_restart():
+            self._lost = True
+            return
+        log.warning("the engine stopped (%s); starting a fresh engine process", error)
+        self._restarting = True
+        self._restart_task = asyncio.ensure_future(self._restart())
+
+    def _may_restart(self) -> bool:
+        if not self.backend.restartable:
+            return False
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
+        if len(self._restart_times) >= MAX_RESTARTS:
+            log.error("the engine failed %d times in %g s: it stays down", MAX_RESTARTS,
+                      RESTART_WINDOW_S)
+            return False
+        self._restart_times.append(now)
+        return True
+
+    async def _restart(self) -> None:
+        old = self.backend
+        try:
+            fresh = await asyncio.to_thread(old.respawn)
+        except Exception:
+            log.exception("the engine could not be restarted: it stays down")
+            self._lost = True
+            return
+        finally:
+            self._restarting = False
+        if self._stopping:
+            fresh.close()
+            return
+        self.backend = fresh
+        self.num_restarts += 1
+        fresh.start(self._on_report, self._on_lost)
+        log.warning("a fresh engine process serves (restart %d)", self.num_restarts)

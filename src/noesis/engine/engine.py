@@ -1,10 +1,16 @@
-"""Engine: owns the model, KV pool, scheduler and runner; `step()` is schedule -> run -> finish."""
+"""Engine: owns the model, KV pool, scheduler and runner; `step()` is schedule -> run -> finish.
+
+A failure that one request explains (its grammar, its logits, a step that fails only with it in
+the batch) ends that request alone with finish_reason "error"; the rest of the batch goes on. A
+failure no request explains raises EngineFault: the engine's state is then unknown.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import random
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +18,9 @@ import torch
 from noesis.engine.loading import LoadedModel, load_model
 from noesis.engine.outputs import RequestOutput
 from noesis.engine.request import RequestState
-from noesis.engine.scheduler import Scheduler, SchedulerConfig
+from noesis.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from noesis.engine.sequence import FinishReason, Sequence
-from noesis.errors import ConfigError, InvalidRequest, PromptTooLong
+from noesis.errors import ConfigError, InvalidRequest, NoesisError, PromptTooLong
 from noesis.kv.allocator import PageAllocator
 from noesis.kv.cache import KVPool, page_bytes
 from noesis.kv.prefix_cache import PrefixCache
@@ -26,6 +32,14 @@ from noesis.tokenizer import IncrementalDetokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# Steps in a row that failed with a single sequence (which then failed alone) before the failure
+# is taken for the engine's own rather than those requests'.
+MAX_LONE_FAILURES = 3
+
+
+class EngineFault(NoesisError):
+    """A failure that no single request explains (the device, the model, a bug): every request
+    in flight is lost, and the engine should be rebuilt before it serves again."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,26 @@ class EngineConfig:
     revision: str | None = None
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            _check_count(name, getattr(self, name), lo=1)
+        for name in ("max_model_len", "kv_cache_memory", "max_graph_batch"):
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name), lo=2 if name == "max_model_len" else 1)
+        _check_count("seed", self.seed, lo=0)
+        utilization = self.gpu_memory_utilization
+        if not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+
+
+def _check_count(name: str, value: object, lo: int) -> None:
+    """An engine option that is a whole number in [lo, 2^63): sizes end up in int64 tensors."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value < 2**63:
+        raise ConfigError(f"{name} must be >= {lo} (and < 2^63), got {value}")
+
 
 class Engine:
     def __init__(self, model: str, config: EngineConfig | None = None) -> None:
@@ -59,6 +93,10 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.device = self.loaded.device
         self.max_model_len = _max_model_len(config, model_config.max_position_embeddings)
+        # Before the KV pool: on CUDA the pool takes what is free, so the tables come first.
+        rope = RotaryEmbedding(
+            model_config.rope, model_config.max_position_embeddings, self.max_model_len, self.device
+        )
         num_pages = self._num_pages()
         self.kv = KVPool(model_config, num_pages, config.page_size, self.loaded.dtype, self.device)
         self.allocator = PageAllocator(num_pages, config.page_size)
@@ -75,9 +113,6 @@ class Engine:
             self.allocator,
             self.prefix_cache,
         )
-        rope = RotaryEmbedding(
-            model_config.rope, model_config.max_position_embeddings, self.max_model_len, self.device
-        )
         self.runner = ModelRunner(
             self.loaded.model, self.kv, rope, self.device, self.max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -92,6 +127,12 @@ class Engine:
         self._inflight: LaunchedStep | None = None  # launched, not read back (overlap mode)
         self._grammars = None  # GrammarCompiler, built on the first constrained request
         self._requests: dict[str, RequestState] = {}
+        # Requests waiting for their grammar to compile (off this thread): no batch slot, no
+        # pages; they join the scheduler when poll_compiles() finds their compile done.
+        self._compiling: dict[str, tuple[RequestState, Future]] = {}
+        self._ended: list[RequestOutput] = []  # requests failed outside a step's own outputs
+        self._lone_failures = 0  # consecutive failed one-sequence steps
+        self.fault_counts = {"isolated_steps": 0, "request_errors": 0}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -115,8 +156,6 @@ class Engine:
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_BYTES
-        if not 0.0 < self.config.gpu_memory_utilization <= 1.0:
-            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         return int(total * self.config.gpu_memory_utilization) - used - self._activation_reserve()
@@ -138,23 +177,63 @@ class Engine:
         request_id: str | None = None,
         stream: bool = True,
         delta: bool = False,
+        wait_for_grammar: bool = True,
     ) -> str:
         """Queue a request. With stream=False, step() reports it only when it finishes and the
         text is decoded once at the end (unless stop strings need it token by token). With
         delta=True each output carries only the text, token ids and logprobs added since the
-        request's previous output (what a server streams), not everything so far."""
+        request's previous output (what a server streams), not everything so far.
+
+        A grammar compiles on a worker thread. With wait_for_grammar (the default) this call
+        waits for it and raises its GrammarError; without, a grammar that is not cached yet
+        leaves the request compiling: `poll_compiles()` later admits or rejects it."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids, text = self._tokenize(prompt)
         seq = self._make_sequence(token_ids, params, request_id)
-        self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         state = RequestState(seq, text, detok, stream=stream, delta=delta)
         if params.logprobs is not None:
             state.logprobs = []
-        self._requests[seq.request_id] = state
+        if params.grammar is None:
+            self._admit(state, None)
+            return seq.request_id
+        compiled = self.grammar_compiler().submit(params.grammar)  # GrammarError: 400
+        if wait_for_grammar or compiled.done():
+            self._admit(state, compiled.result())
+        else:
+            self._compiling[seq.request_id] = (state, compiled)
         return seq.request_id
+
+    def _admit(self, state: RequestState, grammar) -> None:
+        if grammar is not None:
+            state.seq.matcher = grammar.new_matcher()
+        self.scheduler.add(state.seq)  # OutOfKVCache
+        self._requests[state.seq.request_id] = state
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def is_compiling(self, request_id: str) -> bool:
+        return request_id in self._compiling
+
+    def poll_compiles(self) -> tuple[list[str], list[tuple[str, BaseException]]]:
+        """Admit the compiling requests whose grammar is ready: (admitted ids, (id, error) of
+        those whose grammar or admission failed)."""
+        admitted, rejected = [], []
+        for request_id, (state, compiled) in list(self._compiling.items()):
+            if not compiled.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                self._admit(state, compiled.result())
+            except Exception as exc:
+                rejected.append((request_id, exc))
+            else:
+                admitted.append(request_id)
+        return admitted, rejected
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -180,7 +259,7 @@ class Engine:
     ) -> Sequence:
         seq_id = next(self._seq_ids)
         request_id = request_id if request_id is not None else f"req-{seq_id}"
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._compiling:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         limit = self.max_model_len
         if params.max_tokens is not None:
@@ -189,12 +268,9 @@ class Engine:
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(
+        return Sequence(
             seq_id, request_id, token_ids, len(token_ids), params, limit, seed, frozenset(stop_ids)
         )
-        if params.grammar is not None:
-            seq.matcher = self.grammar_compiler().matcher(params.grammar)  # GrammarError: 400
-        return seq
 
     def grammar_compiler(self):
         """The tokenizer's grammar compiler (llguidance), built once; its cache is shared."""
@@ -208,19 +284,31 @@ class Engine:
             )
         return self._grammars
 
+    def grammar_stats(self) -> dict[str, int]:
+        """The grammar compiler's cache and compile counters (empty before the first grammar)."""
+        return self._grammars.stats() if self._grammars is not None else {}
+
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self._requests.pop(request_id, None)
         if state is None:
-            return None
+            compiling = self._compiling.pop(request_id, None)
+            if compiling is None:
+                return None
+            state = compiling[0]
         self.scheduler.finish(state.seq, FinishReason.ABORT)
         return state.output()
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request in flight (shutdown, or a step that failed)."""
-        return [out for out in map(self.abort, list(self._requests)) if out is not None]
+        self._inflight = None
+        self._ended = []
+        ids = [*self._requests, *self._compiling]
+        return [out for out in map(self.abort, ids) if out is not None]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        """Whether step() has work: sequences to run, a step to read back, failures to report
+        (not the compiling requests: poll_compiles() admits those)."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ended)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -230,22 +318,80 @@ class Engine:
         With overlapped steps the step planned here is launched before the previous one is read
         back, so the host's work (planning, input preparation, detokenizing, outputs) runs
         while the device computes; the outputs returned are the previous step's. A sequence
-        that turns out to have stopped was planned one token too far: that token is dropped."""
+        that turns out to have stopped was planned one token too far: that token is dropped.
+
+        Raises EngineFault (or what the device raised) when the step fails for no one request."""
+        outputs = self._take_ended()
         previous = self._inflight
         if previous is not None and not self._can_overlap(previous):
             self._inflight = None
-            return self._complete(previous)
+            return outputs + self._complete(previous)
         plan = self.scheduler.schedule()
         launched = None
         if plan:
-            launched = self.runner.launch(plan, previous)
+            try:
+                launched = self.runner.launch(plan, previous)
+            except Exception as exc:
+                return outputs + self._isolate(plan, previous, exc)
+            self._lone_failures = 0
             self.scheduler.advance(plan)
         # Held before the previous step is completed: should that fail, this one is not lost.
         self._inflight = launched if self.overlap else None
-        outputs = self._complete(previous) if previous is not None else []
+        if previous is not None:
+            outputs += self._complete(previous)
         if launched is not None and not self.overlap:
-            outputs = self._complete(launched)
-        return outputs
+            outputs += self._complete(launched)
+        return outputs + self._take_ended()
+
+    def _isolate(
+        self, plan: StepPlan, previous: LaunchedStep | None, error: Exception
+    ) -> list[RequestOutput]:
+        """A step failed: run each of its sequences alone. Those that fail alone end with an
+        error; the others go on with what their own run sampled. When all fail alone, no
+        request explains it: EngineFault."""
+        logger.warning("engine step of %d sequences failed (%r); running them one at a time",
+                       len(plan.scheduled), error)
+        self.fault_counts["isolated_steps"] += 1
+        self._inflight = None
+        launched, culprits = [], []
+        for item in plan.scheduled:
+            try:
+                launched.append(self.runner.launch(StepPlan([item]), previous))
+            except Exception as exc:
+                culprits.append((item.seq, exc))
+        lone = len(plan.scheduled) == 1
+        self._lone_failures = self._lone_failures + 1 if lone and culprits else 0
+        if (not launched and not lone) or self._lone_failures >= MAX_LONE_FAILURES:
+            message = f"an engine step failed for every request in it: {error!r}"
+            raise EngineFault(message) from error
+        for one in launched:
+            self.scheduler.advance(one.plan)
+        outputs = self._complete(previous) if previous is not None else []
+        for seq, exc in culprits:  # after `previous`: their outputs keep its tokens
+            self.fail_request(seq.request_id, f"the engine step failed on this request: {exc!r}")
+        for one in launched:
+            outputs += self._complete(one)
+        return outputs + self._take_ended()
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End one request with finish_reason "error" and `message`; the others go on. Its
+        output comes with the next step's."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        logger.warning("request %s failed: %s", request_id, message)
+        self.fault_counts["request_errors"] += 1
+        self.scheduler.finish(state.seq, FinishReason.ERROR)
+        state.error = message
+        try:
+            state.append_text(state.detokenizer.flush(state.seq.token_ids))
+        except Exception:  # the text so far is a courtesy; the error is what matters
+            pass
+        self._ended.append(state.output())
+
+    def _take_ended(self) -> list[RequestOutput]:
+        ended, self._ended = self._ended, []
+        return ended
 
     @staticmethod
     def _can_overlap(previous: LaunchedStep) -> bool:
@@ -259,9 +405,11 @@ class Engine:
         """Read a launched step back and turn it into request outputs."""
         plan = launched.plan
         sampled = self.runner.fetch(launched)
+        self._drop_unusable_rows(launched, sampled)
         took = self.scheduler.resolve(plan, {sid: tok.token_id for sid, tok in sampled.items()})
         self._advance_grammars(plan, sampled)
-        advanced = [self._requests[seq.request_id] for seq in took]
+        requests = self._requests
+        advanced = [requests[seq.request_id] for seq in took if seq.request_id in requests]
         for state in advanced:
             if state.logprobs is not None:
                 state.logprobs.append(sampled[state.seq.seq_id].logprobs)
@@ -269,26 +417,48 @@ class Engine:
         outputs = []
         for state in advanced:
             seq = state.seq
+            if state.error is not None:
+                continue  # failed while this step was read: its output is in self._ended
             if state.stream or seq.finished:
                 outputs.append(state.output())
             if seq.finished:
                 del self._requests[seq.request_id]
         return outputs
 
+    def _drop_unusable_rows(self, launched: LaunchedStep, sampled: dict) -> None:
+        """Rows the sampler marked -1 (NaN or inf logits, or a mask that allowed nothing) end
+        their request with an error; their token never joins the sequence."""
+        for seq in launched.seqs:
+            token = sampled.get(seq.seq_id)
+            if token is None or token.token_id >= 0 or seq.finished:
+                continue
+            del sampled[seq.seq_id]
+            why = "its logits were not finite (NaN or inf)"
+            if seq.matcher is not None:
+                why += f", or its grammar allowed no token{_grammar_detail(seq.matcher)}"
+            self.fail_request(seq.request_id, why)
+
     def _advance_grammars(self, plan, sampled) -> None:
         """Feed each constrained sequence its sampled token; a completed grammar ends the
-        request. The mask allowed only tokens the grammar accepts, so a rejection is a bug: it
-        ends that request and is logged, the step goes on."""
+        request. The mask allowed only tokens the grammar accepts, so a rejection (or a matcher
+        that raises) is a bug, but that request's alone: it ends with an error, the step goes
+        on."""
         for item in plan.scheduled:
             seq = item.seq
             if seq.matcher is None or seq.seq_id not in sampled or seq.finished:
                 continue  # finished: by a stop token (which may close the match) or the length
             token = sampled[seq.seq_id].token_id
-            if not seq.matcher.accept_token(token):  # a bug, but one request's, not the step's
-                logger.error("grammar rejected sampled token %d of %s; request aborted",
-                             token, seq.request_id)
-                self.scheduler.finish(seq, FinishReason.ABORT)
-            elif seq.matcher.is_terminated():
+            try:
+                accepted = seq.matcher.accept_token(token)
+                terminated = accepted and seq.matcher.is_terminated()
+            except Exception as exc:
+                self.fail_request(seq.request_id, f"its grammar matcher failed: {exc!r}")
+                continue
+            if not accepted:
+                detail = _grammar_detail(seq.matcher)
+                self.fail_request(seq.request_id,
+                                  f"its grammar rejected the sampled token {token}{detail}")
+            elif terminated:
                 self.scheduler.finish(seq, FinishReason.STOP)
 
     def _detokenize(self, states: list[RequestState]) -> None:
@@ -298,15 +468,22 @@ class Engine:
         than 256 short decodes.)"""
         for state in states:
             seq = state.seq
-            if state.append_text(state.detokenizer.step(seq.token_ids)):
-                self.scheduler.finish(seq, FinishReason.STOP)
-            elif seq.finished:
-                state.append_text(state.detokenizer.flush(seq.token_ids))
+            try:
+                if state.append_text(state.detokenizer.step(seq.token_ids)):
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                elif seq.finished:
+                    state.append_text(state.detokenizer.flush(seq.token_ids))
+            except Exception as exc:
+                self.fail_request(seq.request_id, f"decoding its tokens failed: {exc!r}")
+
+
+def _grammar_detail(matcher) -> str:
+    """The matcher's own account of its error state, as a suffix (empty when it has none)."""
+    error = matcher.error()
+    return f" ({error})" if error else ""
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:
     if config.max_model_len is None:
         return model_max
-    if config.max_model_len < 2:
-        raise ConfigError(f"max_model_len must be >= 2, got {config.max_model_len}")
-    return config.max_model_len
+    return config.max_model_len  # >= 2: EngineConfig checked it

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from noesis.errors import CheckpointError, ConfigError
+from noesis.errors import ConfigError
 from noesis.models.config import ModelConfig
 from noesis.models.decoder import DecoderLM
 from noesis.models.registry import model_class
 from noesis.tokenizer import Tokenizer
+from noesis.weights.files import CONFIG_MAX_BYTES, read_json_file
 from noesis.weights.hub import resolve_model_dir
 from noesis.weights.loader import load_weights
+from noesis.weights.memory import check_fits, weight_needs
 
 DTYPES = {
     "float32": torch.float32,
@@ -74,12 +75,8 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
-    path = model_dir / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    return ModelConfig.from_hf(raw)
+    """config.json, refused unless it is a regular file of a sane size holding a valid config."""
+    return ModelConfig.from_hf(read_json_file(model_dir / "config.json", CONFIG_MAX_BYTES))
 
 
 def load_model(
@@ -97,6 +94,10 @@ def load_model(
     dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
         module = model_class(config)(config)
+    check_fits(
+        weight_needs(module, config, dtype), device, f"the model's weights in {_dtype_name(dtype)}",
+        "Use a smaller model, a narrower dtype or a device with more memory.",
+    )
     try:
         module = module.to(dtype=dtype).to_empty(device=device)
     except torch.OutOfMemoryError as exc:
@@ -128,7 +129,7 @@ def describe_checkpoint(model: str | Path, dtype="auto", device="cpu") -> dict[s
         "parameters": f"{num_params:,} ({num_params / 1e6:.1f}M)",
         "checkpoint dtype": str(config.torch_dtype),
         "checkpoint files": f"{len(files)} ({_gib(sum(f.stat().st_size for f in files))})",
-        "load dtype": str(target).removeprefix("torch."),
+        "load dtype": _dtype_name(target),
         "weights in memory": _gib(num_params * elem),
         "layers": str(config.num_layers),
         "hidden / intermediate": f"{config.hidden_size} / {config.intermediate_size}",
@@ -139,6 +140,10 @@ def describe_checkpoint(model: str | Path, dtype="auto", device="cpu") -> dict[s
         "tied embeddings": str(config.tie_word_embeddings),
         "KV cache per token": f"{kv_per_token:,} bytes",
     }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

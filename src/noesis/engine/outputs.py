@@ -13,10 +13,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     logprobs: list[dict[int, float]] | None  # one dict per generated token when asked
     finished: bool
     num_preemptions: int = 0
+    error: str | None = None  # why it ended, when finish_reason is "error"
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
@@ -37,4 +38,5 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         logprobs=logprobs,
         finished=last.finished,
         num_preemptions=last.num_preemptions,
+        error=last.error,
     )

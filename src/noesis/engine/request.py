@@ -22,6 +22,7 @@ class RequestState:
     prompt_token_ids: list[int] = field(init=False)  # copied once; outputs share it
     sent_chars: int = 0  # delta mode: text and tokens already handed out
     sent_tokens: int = 0
+    error: str | None = None  # set when a failure of this request alone ended it
 
     def __post_init__(self) -> None:
         stops = self.seq.params.stop
@@ -70,6 +71,7 @@ class RequestState:
             logprobs=self.logprobs[start_tokens:] if self.logprobs is not None else None,
             finished=seq.finished,
             num_preemptions=seq.num_preemptions,
+            error=self.error,
         )
 
 

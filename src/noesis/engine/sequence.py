@@ -19,6 +19,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # a failure of this request alone (its knobs, grammar, logits); see `error`
 
 
 @dataclass(slots=True)

@@ -188,13 +188,17 @@ class ByteLevelVocab:
                 f"only byte-level BPE tokenizers map tokens to bytes; this one decodes with "
                 f"{decoder!r}"
             )
-        # A private copy that reads special-token spellings in text as text, never as specials.
-        self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
-        self.tokenizer.encode_special_tokens = True
-        self.size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self._specials = {
             t["content"]: t["id"] for t in spec.get("added_tokens", ()) if t["special"]
         }
+        # A private copy that reads every added token's spelling in text as text. Its
+        # encode_special_tokens skips special added tokens only, so the copy marks them all
+        # special: an unflagged one would otherwise still come out of text.
+        for token in spec.get("added_tokens", ()):
+            token["special"] = True
+        self.tokenizer = Tokenizer.from_str(json.dumps(spec))
+        self.tokenizer.encode_special_tokens = True
+        self.size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self._special_ids = frozenset(self._specials.values())
         self._bytes = [self._token_bytes(token_id) for token_id in range(self.size)]
 

@@ -4,6 +4,7 @@ knowledge cutoff, date, reasoning effort, channels) and function tools as a Type
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from noesis.errors import InvalidRequest
 
 REASONING_EFFORTS = ("low", "medium", "high")
 FUNCTIONS_NOTE = "Calls to these tools must go to the commentary channel: 'functions'."
+_WHITESPACE = re.compile(r"\s")
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,21 @@ class FunctionTool:
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
             raise InvalidRequest(f"tool {tool!r} has no function name")
+        check_function_name(name)
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object")
         return cls(name, function.get("description") or "", parameters)
+
+
+def check_function_name(name: str) -> str:
+    """A function name as Harmony headers carry it (`to=functions.NAME`, `functions.NAME to=`).
+
+    The name is encoded as text, so a token spelling in it stays text; whitespace is refused
+    because it would start another header word (`lookup to=functions.other`)."""
+    if _WHITESPACE.search(name):
+        raise InvalidRequest(f"function name {name!r} contains whitespace")
+    return name
 
 
 def developer_text(instructions: str | None, tools: Sequence[FunctionTool]) -> str | None:

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from noesis.errors import InvalidRequest
-from noesis.harmony.layout import GPT_OSS, FunctionTool, Layout, developer_text
+from noesis.harmony.layout import (
+    GPT_OSS,
+    FunctionTool,
+    Layout,
+    check_function_name,
+    developer_text,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_KEYS = ("reasoning", "reasoning_content", "thinking")  # where clients put analysis text
@@ -137,7 +143,7 @@ def _call(call: Any) -> tuple[str | None, str, str]:
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or not name:
         raise InvalidRequest(f"tool call {call!r} has no function name")
-    return call.get("id"), name, _arguments(function.get("arguments"))
+    return call.get("id"), check_function_name(name), _arguments(function.get("arguments"))
 
 
 def _arguments(arguments: Any) -> str:
@@ -155,7 +161,9 @@ def _tool_result(message: dict[str, Any], call_names: dict[str, str], last_call:
         raise InvalidRequest(
             "a tool message needs a 'name' or a 'tool_call_id' of an earlier tool call"
         )
-    name = name.removeprefix(FUNCTIONS)
+    if not isinstance(name, str):
+        raise InvalidRequest(f"a tool message's name must be a string, got {name!r}")
+    name = check_function_name(name.removeprefix(FUNCTIONS))
     return Message(
         "tool",
         content_text(message.get("content")),

@@ -103,14 +103,16 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     return _triton().apply_token_bitmask_(logits, bitmask)
 
 
-def exponential_race(logits, temperature, seeds, steps) -> torch.Tensor:
-    """The sampler's argmax(logits / T - log E) in one Triton kernel (CUDA only)."""
-    return _triton().exponential_race(logits, temperature, seeds, steps)
+def exponential_race(logits, temperature, seeds, steps, report: bool = False):
+    """The sampler's argmax(logits / T - log E) in one Triton kernel (CUDA only); with `report`,
+    (ids, reported ids) where -1 marks a row whose logits hold NaN or +inf or nothing finite."""
+    return _triton().exponential_race(logits, temperature, seeds, steps, report)
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax of float32 logits [B, V] in two Triton launches (CUDA only)."""
-    return _triton().greedy_argmax(logits)
+def greedy_argmax(logits: torch.Tensor, report: bool = False):
+    """Row-wise argmax of float32 logits [B, V] in two Triton launches (CUDA only); `report` as
+    for exponential_race."""
+    return _triton().greedy_argmax(logits, report)
 
 
 def take_pending(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:

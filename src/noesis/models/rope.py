@@ -14,6 +14,7 @@ import math
 import torch
 
 from noesis.models.config import RopeConfig
+from noesis.weights.memory import MemoryNeed, check_fits
 
 
 class RotaryEmbedding:
@@ -25,6 +26,7 @@ class RotaryEmbedding:
         self.max_position_embeddings = max_position_embeddings
         self.device = device
         self.length_dependent = rope.length_dependent
+        _check_table_fits(rope, max_len, device)
         inv_freq, self.scaling = _inv_freq(rope, max_position_embeddings, seq_len=None)
         positions = torch.arange(max_len, device=device)
         self.cos, self.sin = self._table(inv_freq.to(device), positions)
@@ -65,6 +67,17 @@ class RotaryEmbedding:
             output_size=sum(counts),
         )
         return torch.maximum(positions + 1, floor)
+
+
+def _check_table_fits(rope: RopeConfig, max_len: int, device: torch.device) -> None:
+    """The tables cover every position up to max_len: a huge context is refused by what it would
+    cost, before torch tries to allocate it."""
+    need = MemoryNeed(
+        "the RoPE cos/sin tables",
+        f"max_model_len={max_len:,} positions and rotary dimension {rope.rotary_dim}",
+        rope.table_bytes(max_len),
+    )
+    check_fits([need], device, "the RoPE cos/sin tables", "Lower max_model_len.")
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -98,11 +98,12 @@ class ModelRunner:
 
     def _copy_out(self, launched: LaunchedStep, out: SamplerOutput) -> None:
         """Start the step's single device -> host copy: ids, and logprobs packed beside them."""
-        launched.token_ids = payload = out.token_ids
+        launched.token_ids = out.token_ids  # what the next step may feed: valid ids only
+        payload = out.reported_ids if out.reported_ids is not None else out.token_ids
         if out.token_logprobs is not None:
             payload = torch.cat(
                 [
-                    out.token_ids[:, None].double(),
+                    payload[:, None].double(),
                     out.token_logprobs[:, None].double(),
                     out.top_ids.double(),
                     out.top_logprobs.double(),

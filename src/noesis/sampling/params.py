@@ -9,6 +9,9 @@ from noesis.errors import InvalidSamplingParams
 from noesis.structured.matcher import GrammarSpec
 
 MAX_LOGPROBS = 20
+INT64_MAX = 2**63 - 1  # seeds, budgets and ids travel to the engine in int64 tensors
+MAX_TOP_K = 2**31 - 1  # a 32-bit count, whatever the vocabulary
+TOP_K_HINT = "a top_k at or above the vocabulary size keeps every token, as 0 (off) does"
 
 
 @dataclass(frozen=True)
@@ -54,23 +57,23 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
-        _check_int("top_k", self.top_k, lo=0)
+        _check_int("top_k", self.top_k, lo=0, hi=MAX_TOP_K, hint=TOP_K_HINT)
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=100.0, lo_open=True)
         _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
+            _check_int("seed", self.seed, lo=0, hi=INT64_MAX)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1)
+            _check_int("max_tokens", self.max_tokens, lo=1, hi=INT64_MAX)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidSamplingParams(
                     "stop", f"each stop must be a non-empty string, got {s!r}"
                 )
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, lo=0)
+            _check_int("stop_token_ids", t, lo=0, hi=INT64_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
@@ -95,19 +98,31 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
-def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
+def _check_int(
+    name: str, value: object, lo: int | None = None, hi: int | None = None, hint: str = ""
+) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidSamplingParams(name, f"must be an integer, got {value!r}")
+        raise InvalidSamplingParams(name, f"must be an integer, got {_shown(value)}")
     if lo is not None and value < lo:
-        raise InvalidSamplingParams(name, f"must be >= {lo}, got {value}")
+        raise InvalidSamplingParams(name, f"must be >= {lo}, got {_shown(value)}")
     if hi is not None and value > hi:
-        raise InvalidSamplingParams(name, f"must be <= {hi}, got {value}")
+        hint = f" ({hint})" if hint else ""
+        raise InvalidSamplingParams(name, f"must be <= {hi}{hint}, got {_shown(value)}")
 
 
 def _check_number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise InvalidSamplingParams(name, f"must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSamplingParams(name, f"must be a number, got {_shown(value)}")
+    if isinstance(value, float) and not math.isfinite(value):  # math.isfinite(10**400) raises
+        raise InvalidSamplingParams(name, f"must be a finite number, got {value!r}")
     if value < lo or (lo_open and value == lo):
-        raise InvalidSamplingParams(name, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
+        bound = f"{'>' if lo_open else '>='} {lo}"
+        raise InvalidSamplingParams(name, f"must be {bound}, got {_shown(value)}")
     if value > hi:
-        raise InvalidSamplingParams(name, f"must be <= {hi}, got {value}")
+        raise InvalidSamplingParams(name, f"must be <= {hi}, got {_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    """A value for an error message: a 4,000-digit integer is cut, not echoed whole."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"

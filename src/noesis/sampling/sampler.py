@@ -45,10 +45,18 @@ class Penalties:
 
 @dataclass(slots=True)
 class SamplerOutput:
-    token_ids: torch.Tensor  # [B] long
+    token_ids: torch.Tensor  # [B] long, always valid ids (they may feed the next step)
     token_logprobs: torch.Tensor | None  # [B]
     top_ids: torch.Tensor | None  # [B, k]
     top_logprobs: torch.Tensor | None  # [B, k]
+    # [B] long: the ids the host reads, where -1 marks a row whose logits held NaN or +inf or
+    # allowed no token at all (every logit -inf), so that request alone can end with an error
+    reported_ids: torch.Tensor | None = None
+
+
+# The per-row check behind SamplerOutput.reported_ids (benchmarks/fault_check_cost.py times the
+# sampler with it off). On CUDA the race kernels fold it into their own pass over the logits.
+CHECK_ROWS = True
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
@@ -57,11 +65,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
     if t.all_greedy:
-        token_ids = argmax(logits)
+        token_ids, reported = _argmax_reported(logits)
     else:
-        token_ids = _sample_random(logits, t)
+        token_ids, reported = _sample_random(logits, t)
     if t.max_logprobs is None:
-        return SamplerOutput(token_ids, None, None, None)
+        return SamplerOutput(token_ids, None, None, None, reported)
     logprobs = torch.log_softmax(raw, dim=-1)
     token_logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
     top_logprobs, top_ids = (
@@ -69,7 +77,27 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         if t.max_logprobs
         else (logprobs[:, :0], token_ids[:, None][:, :0])
     )
-    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs)
+    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs, reported)
+
+
+def reported(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+    """token_ids, or -1 where the row maximum is NaN, +inf or -inf: exactly when the row cannot
+    give a token (NaN from a broken forward, or a mask that left nothing). On the device, no
+    sync. (The Triton paths get the same from their race kernels instead.)"""
+    if not CHECK_ROWS:
+        return None
+    return torch.where(torch.isfinite(logits.amax(dim=-1)), token_ids, -1)
+
+
+def _argmax_reported(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if CHECK_ROWS and _triton_race(logits):
+        return ops.greedy_argmax(logits, report=True)
+    token_ids = argmax(logits)
+    return token_ids, reported(logits, token_ids)
+
+
+def _triton_race(x: torch.Tensor) -> bool:
+    return ops.use_triton(x) and x.dtype == torch.float32 and x.stride(-1) == 1
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -80,12 +108,15 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     return logits - p.presence[:, None] * (p.output_counts > 0).to(logits.dtype)
 
 
-def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, t: SamplingTensors):
+    """(sampled ids, reported ids) for a batch with at least one row that samples."""
     filtering = t.top_k is not None or t.top_p is not None or t.min_p is not None
     if not filtering and ops.use_triton(logits):
         # One fused kernel instead of ~20 elementwise passes over [B, V] (the noise hash alone
         # is a dozen): ~1.4 ms less per step at batch 1 on a 128k vocabulary (H200).
-        return ops.exponential_race(logits, t.temperature, t.seeds, t.steps)
+        if not CHECK_ROWS:
+            return ops.exponential_race(logits, t.temperature, t.seeds, t.steps), None
+        return ops.exponential_race(logits, t.temperature, t.seeds, t.steps, report=True)
     greedy_rows = t.temperature == 0
     temperature = torch.where(greedy_rows, torch.ones_like(t.temperature), t.temperature)
     scaled = logits / temperature[:, None]
@@ -101,7 +132,8 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
                                            t.steps)
         else:
             sampled = _race(scaled, t.seeds, t.steps)
-    return torch.where(greedy_rows, argmax(logits), sampled)
+    token_ids = torch.where(greedy_rows, argmax(logits), sampled)
+    return token_ids, reported(logits, token_ids)
 
 
 def _race(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -206,7 +238,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     (ops.greedy_argmax) rather than torch's five.
     """
     batch, vocab = x.shape
-    if ops.use_triton(x) and x.dtype == torch.float32 and x.stride(-1) == 1:
+    if _triton_race(x):
         return ops.greedy_argmax(x)  # the same two stages in two launches
     chunks = _chunk_count(vocab)
     if chunks == 1:

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API key, the engine's lifespan, and `serve()` under uvicorn.
 
-A generation request goes: body bytes -> validated wire type (protocol.py) -> token ids and one
+A generation request goes: API key (every route but /health) -> body bytes, held to the size
+limit -> validated wire type within the request limits (protocol.py) -> token ids and one
 SamplingParams per choice -> Generation (engine requests) -> JSON or SSE (responses.py). The
 engine runs in its own process (EngineProcess), so this one only does HTTP and formatting.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import gc
 import hmac
 import logging
@@ -17,8 +20,9 @@ import time
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from noesis.engine.async_engine import (
     AsyncEngine,
@@ -30,7 +34,7 @@ from noesis.engine.async_engine import (
 from noesis.engine.engine import Engine
 from noesis.errors import PromptTooLong
 from noesis.sampling.params import SamplingParams
-from noesis.server.config import ServeConfig
+from noesis.server.config import RequestLimits, ServeConfig
 from noesis.server.errors import APIError, install_handlers
 from noesis.server.generation import Generation
 from noesis.server.metrics import CONTENT_TYPE, Metrics
@@ -80,22 +84,44 @@ class ServerState:
 
     # ---- checks ------------------------------------------------------------------------------
 
+    @functools.cached_property
+    def limits(self) -> RequestLimits:
+        """The configured request limits; without --max-prompt-chars, the most characters a
+        prompt can have and still fit: the context times the tokenizer's longest token."""
+        limits = self.config.limits
+        if limits.max_prompt_chars is not None:
+            return limits
+        chars = self.max_model_len * longest_token_chars(self.tokenizer)
+        return dataclasses.replace(limits, max_prompt_chars=chars)
+
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.config.model):
+            shown = name if len(name) <= 100 else f"{name[:100]}..."
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {shown!r} does not exist; this server serves {self.model_name!r}",
                 "model",
                 "model_not_found",
             )
 
-    def check_n(self, n: int) -> None:
+    def check_n(self, n: int, prompts: int = 1) -> None:
+        """n within --max-n, and prompts x n within what the engine can ever hold (checked
+        before tokenizing a batch of prompts that could never run)."""
         if n > self.config.max_n:
             raise APIError(
                 400,
                 f"n={n} is over this server's limit of {self.config.max_n} choices per request "
                 "(noesis serve --max-n)",
                 "n",
+                "invalid_value",
+            )
+        slots = self.engine.max_in_flight
+        if prompts * n > slots:
+            raise APIError(
+                400,
+                f"{prompts} prompts x n={n} generations can never fit this server's {slots} "
+                "slots (--max-num-seqs + --max-queue)",
+                "n" if prompts == 1 else "prompt",
                 "invalid_value",
             )
 
@@ -131,8 +157,8 @@ class ServerState:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         harmony = self.harmony is not None
         tools = body.tools if harmony and body.effective_tool_choice != "none" else None
-        text = self.tokenizer.apply_chat_template(body.template_messages(harmony), tools)
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS
+        # Only the template writes control tokens (and BOS): a message's spellings stay text.
+        return self.tokenizer.encode_chat(body.template_messages(harmony), tools)
 
     def chat_turn(self, body: ChatCompletionRequest):
         """How a chat reply is constrained and read: the turn's SamplingParams adjustment and
@@ -206,23 +232,43 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _body(request: Request, model, limit: int):
-    """The validated body, and its size in bytes."""
+async def _body(request: Request, model, state: ServerState):
+    """The validated body, within the server's limits, and its size in bytes."""
+    limit = state.config.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the body is over {limit} bytes", code="body_too_large")
-    body = await request.body()
-    if len(body) > limit:
-        raise APIError(413, f"the body is over {limit} bytes", code="body_too_large")
-    return parse_body(body, model), len(body)
+        raise _body_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():  # stop reading at the limit, whatever was declared
+        size += len(chunk)
+        if size > limit:
+            raise _body_too_large(limit)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    parse = functools.partial(parse_body, model=model, limits=state.limits)
+    return await _off_loop_if_long(size, parse, body), size
 
 
-async def _off_loop_if_long(size: int, tokenize, body):
-    """Tokenize (and template) a small body right here; a long one on a worker thread, so that
-    it cannot stall the streams in flight. A thread hop costs more than a short prompt."""
+def _body_too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"the body is over {limit} bytes (noesis serve --max-body-bytes)",
+        code="body_too_large",
+    )
+
+
+async def _off_loop_if_long(size: int, work, body):
+    """Parse or tokenize (and template) a small body right here; a long one on a worker thread,
+    so that it cannot stall the streams in flight. A thread hop costs more than a short prompt."""
     if size <= INLINE_TOKENIZE_BYTES:
-        return tokenize(body)
-    return await asyncio.to_thread(tokenize, body)
+        return work(body)
+    return await asyncio.to_thread(work, body)
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the tokenizer's longest vocabulary entry: no token covers more text (a
+    byte-level entry spells each byte with one character, so it counts bytes: more, if not
+    fewer). Added tokens count too: a completion prompt may spell them."""
+    return max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -232,27 +278,13 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def require_api_key(request: Request) -> None:
-    # async: FastAPI runs a plain `def` dependency in a worker thread, a hop per request
-    key = _state(request).config.api_key
-    if key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(
-            401,
-            "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-        )
-
-
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+v1 = APIRouter(prefix="/v1")  # behind the API key, as every route but /health is (APIKeyGate)
 
 
 @v1.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    body, size = await _body(request, ChatCompletionRequest, state.config.max_body_bytes)
+    body, size = await _body(request, ChatCompletionRequest, state)
     state.check_model(body.model)
     body.refuse_unsupported()
     state.check_n(body.n)
@@ -264,10 +296,10 @@ async def chat_completions(request: Request) -> Response:
 @v1.post("/completions")
 async def completions(request: Request) -> Response:
     state = _state(request)
-    body, size = await _body(request, CompletionRequest, state.config.max_body_bytes)
+    body, size = await _body(request, CompletionRequest, state)
     state.check_model(body.model)
     body.refuse_unsupported()
-    state.check_n(body.n)
+    state.check_n(body.n, len(body.prompts()))
     has_text = any(isinstance(p, str) for p in body.prompts())
     prompts = await _off_loop_if_long(size if has_text else 0, state.completion_prompts, body)
     echo = None
@@ -307,6 +339,71 @@ async def health(request: Request) -> JSONResponse:
 
 async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+async def openapi_json(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.openapi())
+
+
+async def swagger_ui(request: Request) -> HTMLResponse:
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="noesis")
+
+
+async def redoc(request: Request) -> HTMLResponse:
+    return get_redoc_html(openapi_url="/openapi.json", title="noesis")
+
+
+DOCS_ROUTES = {"/openapi.json": openapi_json, "/docs": swagger_ui, "/redoc": redoc}
+
+
+# ---- middleware (outermost first) --------------------------------------------------------------
+
+
+class CanonicalPaths:
+    """Pure ASGI middleware: a path with trailing slashes is its canonical self, so that
+    /v1/chat/completions/ reaches the same handler through the same key check (no redirect
+    that could answer before the key is checked)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            raw = scope.get("raw_path") or path.encode()
+            scope = {**scope, "path": path.rstrip("/") or "/", "raw_path": raw.rstrip(b"/") or b"/"}
+        await self.app(scope, receive, send)
+
+
+class APIKeyGate:
+    """Pure ASGI middleware: with an API key, every request needs it as a Bearer token but
+    /health (for probes) and, with --metrics-public, /metrics. One gate for all routes, so that
+    no route (docs, unknown paths, future ones) can be left open by forgetting it."""
+
+    def __init__(self, app, config: ServeConfig) -> None:
+        self.app = app
+        self.key = None if config.api_key is None else config.api_key.encode()
+        self.open_paths = {"/health"} | ({"/metrics"} if config.metrics_public else set())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.key is None or scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        if not self._authorized(scope):
+            error = APIError(
+                401,
+                "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
 class HTTPMetrics:
@@ -350,13 +447,23 @@ def create_app(config: ServeConfig, backend: EngineThread | EngineProcess) -> Fa
         state.draining = True
         await state.engine.shutdown()
 
-    app = FastAPI(title="noesis", lifespan=lifespan)
+    # FastAPI's own docs routes are off: when asked for, ours serve them behind the key.
+    app = FastAPI(
+        title="noesis", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+        redirect_slashes=False,
+    )
     app.state.server = state
     install_handlers(app)
     app.include_router(v1)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    if config.enable_docs:
+        for path, route in DOCS_ROUTES.items():
+            app.add_api_route(path, route, methods=["GET"], include_in_schema=False)
+    app.add_middleware(APIKeyGate, config=config)
     app.add_middleware(HTTPMetrics, metrics=state.metrics)
+    app.add_middleware(CanonicalPaths)  # added last: runs first, so every layer sees one path
+    state.limits  # noqa: B018 (derive the prompt limit now, not during the first request)
     return app
 
 
@@ -371,9 +478,14 @@ def serve(config: ServeConfig) -> int:
     else:
         backend = EngineThread(Engine(config.model, config.engine))
     try:
-        return _run(config, create_app(config, backend))
-    finally:
+        app = create_app(config, backend)
+    except BaseException:
         backend.close()
+        raise
+    try:
+        return _run(config, app)
+    finally:
+        app.state.server.engine.backend.close()  # the current one: a fault may have replaced it
 
 
 def _run(config: ServeConfig, app: FastAPI) -> int:

@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from noesis.engine.async_engine import EngineDead, EngineStepError, QueueFull
+from noesis.engine.async_engine import EngineDead, EngineStepError, QueueFull, RequestFailed
 from noesis.errors import (
     ChatTemplateError,
     InvalidRequest,
@@ -17,6 +17,7 @@ from noesis.errors import (
     OutOfKVCache,
     PromptTooLong,
 )
+from noesis.structured.matcher import GrammarTooComplex
 
 log = logging.getLogger("noesis.server")
 
@@ -74,10 +75,14 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="shutting_down")
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, f"this request failed: {exc}", code="request_failed")
     if isinstance(exc, PromptTooLong):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, InvalidSamplingParams):
         return APIError(400, str(exc), param=exc.field, code="invalid_value")
+    if isinstance(exc, GrammarTooComplex):
+        return APIError(400, str(exc), code="grammar_too_complex")
     if isinstance(exc, OutOfKVCache):
         return APIError(400, str(exc), code="kv_cache_exceeded")
     if isinstance(exc, (InvalidRequest, ChatTemplateError)):

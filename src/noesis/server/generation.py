@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import asyncio
 
-from noesis.engine.async_engine import AsyncEngine, Outbox, QueueFull, RequestStream
+from noesis.engine.async_engine import (
+    AsyncEngine,
+    Outbox,
+    QueueFull,
+    RequestFailed,
+    RequestStream,
+)
 from noesis.engine.outputs import RequestOutput, merge_deltas
 from noesis.errors import InvalidRequest
 from noesis.sampling.params import SamplingParams
@@ -66,6 +72,9 @@ class Generation:
         steps' deltas merged when the caller fell behind). Raises a choice's error."""
         batch = await self.outbox.take()
         for index, item in batch:
+            if isinstance(item, RequestFailed):  # this choice alone failed: counted as such
+                self._remaining -= 1
+                self._record(index, "error", produced=self.num_tokens[index] > 0)
             if isinstance(item, BaseException):
                 raise item
             self.num_tokens[index] += len(item.token_ids)

@@ -134,8 +134,43 @@ class _EngineCollector:
             "Prompt tokens found in the prefix cache",
             value=stats.prefix_hit_tokens,
         )
+        yield GaugeMetricFamily(
+            "noesis_grammar_compiling",
+            "Requests waiting for their grammar to compile (outside the batch)",
+            value=stats.compiling,
+        )
         yield CounterMetricFamily(
             "noesis_engine_step_failures",
-            "Engine steps that raised",
+            "Engine steps that failed for no one request (the requests in flight failed)",
             value=self.engine.num_step_failures,
+        )
+        grammar = stats.grammar
+        yield GaugeMetricFamily(
+            "noesis_grammar_cache_bytes",
+            "Estimated bytes of the compiled grammars cached (an LRU under a byte budget)",
+            value=grammar.get("bytes", 0),
+        )
+        yield GaugeMetricFamily(
+            "noesis_grammar_cache_entries", "Compiled grammars cached",
+            value=grammar.get("entries", 0),
+        )
+        for key, doc in (("compiles", "Grammar compiles started (off the engine loop)"),
+                         ("failures", "Grammars refused: invalid, unsupported or over a limit"),
+                         ("timeouts", "Grammar compiles past their time limit")):
+            yield CounterMetricFamily(f"noesis_grammar_{key}", doc, value=grammar.get(key, 0))
+        faults = self.engine.fault_counts()
+        yield CounterMetricFamily(
+            "noesis_isolated_steps",
+            "Failed engine steps re-run one sequence at a time to find the failing request",
+            value=faults["isolated_steps"],
+        )
+        yield CounterMetricFamily(
+            "noesis_request_errors",
+            "Requests ended by a failure of their own (the rest of the batch went on)",
+            value=faults["request_errors"],
+        )
+        yield CounterMetricFamily(
+            "noesis_engine_restarts",
+            "Fresh engine processes started after a fault or a crash",
+            value=self.engine.num_restarts,
         )

@@ -17,10 +17,12 @@ _EXPORTS = {
     "bitmask_width": "bitmask",
     "CompiledGrammar": "llguidance_backend",
     "GrammarCompiler": "llguidance_backend",
+    "GrammarLimits": "llguidance_backend",
     "LLGuidanceMatcher": "llguidance_backend",
     "GrammarError": "matcher",
     "GrammarMatcher": "matcher",
     "GrammarSpec": "matcher",
+    "GrammarTooComplex": "matcher",
     "UnsatisfiableSchema": "matcher",
     "UnsupportedSchema": "matcher",
 }

@@ -90,8 +90,9 @@ class MaskFiller:
         """
         if self._pending is None:
             raise RuntimeError("MaskFiller.result called without start()")
-        mask, self._pending = self._pending.result(), None
+        pending, self._pending = self._pending, None  # reset first: a failed fill raises here
         turn, self._turn = self._turn, self._turn ^ 1
+        mask = pending.result()
         device = torch.device(device)
         if mask is None or device.type == "cpu":
             return mask

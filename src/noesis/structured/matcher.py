@@ -35,6 +35,16 @@ class UnsatisfiableSchema(GrammarError):
     """No JSON value satisfies the schema (a `false` schema, an empty enum, ...)."""
 
 
+class GrammarTooComplex(GrammarError):
+    """The grammar is beyond one of the compiler's limits; `limit` names the GrammarLimits field
+    (compile_timeout_s, max_grammar_size, max_lexer_states, initial_lexer_fuel, step_lexer_fuel,
+    step_max_items or max_items_in_row)."""
+
+    def __init__(self, limit: str, detail: str) -> None:
+        super().__init__(f"grammar too complex ({limit}): {detail}")
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What to enforce. `source` is text (schema as JSON, regex, Lark) so specs hash as cache keys.
@@ -111,4 +121,9 @@ class GrammarMatcher(Protocol):
 
     def reset(self) -> None:
         """Back to the initial state, as if no token had been accepted."""
+        ...
+
+    def error(self) -> str | None:
+        """Why the matcher broke down for good (a limit hit while matching), None while sound.
+        A token the grammar merely forbids is not an error."""
         ...

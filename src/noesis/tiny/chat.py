@@ -1,5 +1,6 @@
 """Harmony chat for the CLI: parse a model's Harmony stream leniently, print its channels, and run
-the built-in tools between generations until the model gives a final answer.
+the built-in tools between generations (through the ToolExecutor, with its timeout) until the
+model gives a final answer.
 
 Takes an LLM it is given (imports no engine). Malformed output never raises: what cannot be parsed
 is shown as such.
@@ -8,6 +9,7 @@ is shown as such.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -18,6 +20,8 @@ from noesis.errors import InvalidRequest
 from noesis.sampling.params import SamplingParams
 from noesis.tiny import harmony, tools
 from noesis.tiny.harmony import ParsedMessage
+from noesis.tools.builtin import builtin_tools
+from noesis.tools.executor import ToolExecutor
 
 MAX_TOOL_STEPS = 4  # generations per user turn; a model that keeps calling tools is cut off here
 # The bundled model was trained with at most four declared tools; given all seven it overlooks the
@@ -86,11 +90,24 @@ def function_name(message: ParsedMessage) -> str | None:
     return recipient.removeprefix(FUNCTIONS) if recipient.startswith(FUNCTIONS) else None
 
 
-def run_declared(declared: list[dict[str, Any]], name: str, arguments: str) -> str:
-    """Execute a built-in tool if it was declared; an undeclared one gets an error result."""
+def run_declared(
+    declared: list[dict[str, Any]], name: str, arguments: str, executor: ToolExecutor | None = None
+) -> str:
+    """Execute a tool if it was declared; an undeclared one gets an error result. `executor`
+    (default: builtin_executor()) runs the call from its registry, with its timeout; the result
+    is the tool's text or an `error: ...` message, never an exception."""
     if name not in {tool["function"]["name"] for tool in declared}:
         return f"{tools.ERROR_PREFIX}tool {name!r} is not declared"
-    return tools.execute(name, arguments)
+    executor = executor if executor is not None else builtin_executor()
+    [result] = executor.run([{"id": "call_0", "name": name, "arguments": arguments}])
+    return result.content
+
+
+@functools.cache
+def builtin_executor() -> ToolExecutor:
+    """The executor of every built-in tool with ToolExecutor's defaults (timeout included), shared
+    by the chat, the voice expert and the eval."""
+    return ToolExecutor(builtin_tools())
 
 
 def call_messages(
@@ -175,10 +192,12 @@ def run_turn(
     params: SamplingParams,
     display: Display,
     max_steps: int = MAX_TOOL_STEPS,
+    executor: ToolExecutor | None = None,
 ) -> str | None:
     """Answer the last user message in `history`: generate, execute a built-in tool the model
-    calls, feed the result back, until a final answer. Appends the turn to `history` (analysis
-    dropped, as gpt-oss does for past turns) and returns the final answer, or None."""
+    calls (with `executor`, see run_declared), feed the result back, until a final answer.
+    Appends the turn to `history` (analysis dropped, as gpt-oss does for past turns) and returns
+    the final answer, or None."""
     turn: list[dict[str, Any]] = []
     final = None
     for _ in range(max_steps):
@@ -195,7 +214,7 @@ def run_turn(
             display.line("stopped", "the model called a tool, but no tools are declared")
             break
         analysis, name, arguments = action
-        result = run_declared(declared, name, arguments)
+        result = run_declared(declared, name, arguments, executor)
         display.line("tool result", result)
         turn += call_messages(analysis, name, arguments, result, f"call_{len(turn) // 2}")
     else:

@@ -3,6 +3,10 @@
 `render` is the reference that the jinja chat template (template.py) must match byte for byte; the
 corpus is rendered with it. Layout follows gpt-oss: a fixed system message, a developer message with
 the instructions and the tools as a TypeScript-like namespace, then the conversation.
+
+The result is text in which a message's own `<|end|>` reads like the real token: fine for the
+corpus we write, never for what users send. Prompts are encoded with `Tokenizer.encode_chat`,
+which renders the same text through the template and keeps the users' spellings text.
 """
 
 from __future__ import annotations

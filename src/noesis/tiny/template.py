@@ -4,6 +4,8 @@ It must render exactly what harmony.render does (a test checks this on the corpu
 the whitespace around it and all output comes from expressions, so the result is the same with or
 without `trim_blocks`/`lstrip_blocks`. Tool-call arguments given as a string are copied verbatim;
 a dict goes through `tojson`, whose spacing depends on the renderer, so pass strings to be exact.
+Encode it through `Tokenizer.encode_chat`, never by encoding the text: only then do the control
+spellings inside messages, names and arguments stay text.
 """
 
 from __future__ import annotations

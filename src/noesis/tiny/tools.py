@@ -1,7 +1,10 @@
 """The built-in tools of noesis-tiny: their JSON schemas, a small schema validator, and `execute`.
 
 Every tool is plain Python with no side effects. `execute` never raises on bad model output: it
-returns the tool's result, or a string starting with "error:" that says what was wrong.
+returns the tool's result, or a string starting with "error:" that says what was wrong. Inputs the
+model controls are bounded before any work is done (expression length and depth, exponents,
+magnitudes, finite numbers), so no call burns CPU or memory; the executor still runs the calculator
+and convert_units in a worker process it can kill (noesis.tools.builtin).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import ast
 import datetime as dt
 import json
+import math
 import operator
 import re
 from collections.abc import Callable
@@ -39,13 +43,13 @@ class Tool:
 
 def execute(name: str, arguments_json: str) -> str:
     """Run tool `name` on a JSON arguments string; returns the result or an "error: ..." string."""
-    tool = TOOLS.get(name)
+    tool = TOOLS.get(name) if isinstance(name, str) else None
     if tool is None:
         return f"{ERROR_PREFIX}unknown tool {name!r} (known: {', '.join(TOOLS)})"
     try:
-        arguments = json.loads(arguments_json)
-    except (json.JSONDecodeError, TypeError) as exc:
-        return f"{ERROR_PREFIX}arguments are not valid JSON ({exc})"
+        arguments = parse_arguments(arguments_json)
+    except ToolError as exc:
+        return f"{ERROR_PREFIX}{exc}"
     problems = validate(tool.parameters, arguments)
     if problems:
         return ERROR_PREFIX + "; ".join(problems)
@@ -53,6 +57,19 @@ def execute(name: str, arguments_json: str) -> str:
         return tool.run(arguments)
     except ToolError as exc:
         return f"{ERROR_PREFIX}{exc}"
+    except Exception as exc:  # a bug or an input no bound foresaw: still a result, never a crash
+        return f"{ERROR_PREFIX}tool {name!r} failed: {type(exc).__name__}: {exc}"
+
+
+def parse_arguments(arguments_json: str | bytes) -> Any:
+    """The JSON value of a call's arguments; ToolError (worded as the model was trained to read
+    it) for text that is not JSON, is nested too deeply or holds an integer too long to read."""
+    try:
+        return json.loads(arguments_json)
+    except RecursionError:
+        raise ToolError("arguments are not valid JSON (nested too deeply)") from None
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError, as is a huge int
+        raise ToolError(f"arguments are not valid JSON ({exc})") from None
 
 
 def schemas(names: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
@@ -112,6 +129,8 @@ def _validate_scalar(schema: dict[str, Any], value: Any, path: str) -> list[str]
         if "pattern" in schema and not re.fullmatch(schema["pattern"], value):
             problems.append(f"{path} does not match {schema['pattern']}")
     elif _JSON_TYPES["number"](value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return [f"{path} must be a finite number, got {value}"]  # JSON's NaN and Infinity
         if "minimum" in schema and value < schema["minimum"]:
             problems.append(f"{path} is below {schema['minimum']}")
         if "maximum" in schema and value > schema["maximum"]:
@@ -142,7 +161,13 @@ _BINARY_OPS: dict[type, Callable[[Any, Any], Any]] = {
 }
 _UNARY_OPS: dict[type, Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPRESSION_CHARS = 200
+MAX_EXPRESSION_DEPTH = 100  # nested operations; 200 characters allow at most ~100 binary ones
+MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e15
+# A power whose result would have more digits than this is refused before it is computed, so no
+# int power grows huge and no float power overflows. The digit of slack over MAX_MAGNITUDE keeps
+# the estimate (a float log) from refusing a result that fits; the exact range check follows.
+_MAX_POWER_DIGITS = math.log10(MAX_MAGNITUDE) + 1
 
 
 def format_number(value: float) -> str:
@@ -157,31 +182,63 @@ def calculate(expression: str) -> float:
     """Evaluate + - * / // % ** and parentheses over numbers, without eval()."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ToolError(f"expression is longer than {MAX_EXPRESSION_CHARS} characters")
+    if "'" in expression or '"' in expression:
+        # Never arithmetic, and parsing a string literal can print warnings (invalid escapes).
+        raise ToolError("unsupported element in expression: a string")
     normalized = expression.replace("×", "*").replace("÷", "/").replace("^", "**")
     try:
         tree = ast.parse(normalized.strip(), mode="eval")
-    except SyntaxError as exc:
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:  # ValueError: NUL bytes
         raise ToolError(f"cannot parse expression {expression!r}") from exc
+    if _depth(tree.body) > MAX_EXPRESSION_DEPTH:
+        raise ToolError(f"expression is nested deeper than {MAX_EXPRESSION_DEPTH} operations")
     return _evaluate(tree.body)
+
+
+def _depth(root: ast.AST) -> int:
+    """How deeply operations nest, counted without recursion (the tree may be deep)."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack += [(child, depth + 1) for child in ast.iter_child_nodes(node)]
+    return deepest
 
 
 def _evaluate(node: ast.AST) -> float:
     if isinstance(node, ast.Constant) and _JSON_TYPES["number"](node.value):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise ToolError("number is out of range")  # 1e999 parses as inf
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
         return _UNARY_OPS[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:
-            raise ToolError("exponent is too large")
+        if isinstance(node.op, ast.Pow):
+            _check_power(left, right)
         try:
             result = _BINARY_OPS[type(node.op)](left, right)
         except ZeroDivisionError as exc:
             raise ToolError("division by zero") from exc
-        if isinstance(result, complex) or abs(result) > MAX_MAGNITUDE:
-            raise ToolError("result is out of range")
-        return result
+        except OverflowError as exc:  # float arithmetic past 1.8e308, int / int too large
+            raise ToolError("result is out of range") from exc
+        return _in_range(result)
     raise ToolError(f"unsupported element in expression: {type(node).__name__}")
+
+
+def _check_power(base: float, exponent: float) -> None:
+    """Refuse a power before computing it when the exponent or the result would be too big."""
+    if abs(exponent) > MAX_EXPONENT:
+        raise ToolError("exponent is too large")
+    if base != 0 and exponent * math.log10(abs(base)) > _MAX_POWER_DIGITS:
+        raise ToolError("result is out of range")
+
+
+def _in_range(result: Any) -> float:
+    # Compare before any float(): an int result may be too large to convert.
+    if isinstance(result, complex) or not abs(result) <= MAX_MAGNITUDE:  # `not <=`: NaN too
+        raise ToolError("result is out of range")
+    return result
 
 
 def _run_calculator(args: dict[str, Any]) -> str:
@@ -246,6 +303,8 @@ def round_quantity(value: float) -> str:
 
 def _run_convert(args: dict[str, Any]) -> str:
     source, target = UNITS[args["from_unit"]], UNITS[args["to_unit"]]
+    if not abs(args["value"]) <= MAX_MAGNITUDE:  # `not <=` refuses NaN as well
+        raise ToolError(f"value is out of range (at most {MAX_MAGNITUDE:g} in magnitude)")
     result = convert(args["value"], source, target)
     return (
         f"{format_number(args['value'])} {source.plural} = {round_quantity(result)} {target.plural}"

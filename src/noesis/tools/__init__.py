@@ -1,6 +1,8 @@
-"""Tools the model can call: a registry built from Python callables and a concurrent executor."""
+"""Tools the model can call: a registry built from Python callables, a concurrent executor, and
+worker processes for isolated tools."""
 
 from noesis.tools.executor import ERROR_PREFIX, RetryPolicy, ToolExecutor, ToolResult
+from noesis.tools.isolation import WorkerPool
 from noesis.tools.registry import (
     InvalidToolArguments,
     Tool,
@@ -23,6 +25,7 @@ __all__ = [
     "ToolRegistry",
     "ToolResult",
     "UnknownTool",
+    "WorkerPool",
     "make_tool",
     "tool",
 ]

@@ -1,9 +1,8 @@
 """noesis-tiny's built-in tools (noesis.tiny.tools) as registry Tools, with the schemas, checks and
-error messages the model was trained on."""
+error messages the model was trained on. The arithmetic ones run isolated (in a worker process)."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -14,6 +13,9 @@ from noesis.tools.registry import InvalidToolArguments, Tool, ToolError, ToolReg
 
 # Field names in the tiny validator's messages: "arguments.days ...", "lacks required 'date'".
 _FIELD = re.compile(r"arguments\.(\w+)|required '(\w+)'|unexpected '(\w+)'")
+# Tools doing arithmetic on numbers the model chose run in a worker process the executor can
+# kill. Their inputs are bounded (noesis.tiny.tools), so this is a second wall, not the first.
+ISOLATED = ("calculator", "convert_units")
 
 
 def builtin_tools(names: Iterable[str] | None = None) -> ToolRegistry:
@@ -35,6 +37,7 @@ def builtin_tool(name: str) -> Tool:
         function=_Runner(spec),
         parse_arguments=_SchemaArguments(spec.parameters),
         is_async=False,
+        isolated=name in ISOLATED,
     )
 
 
@@ -49,9 +52,9 @@ class _SchemaArguments:
             value: Any = dict(arguments)
         else:
             try:
-                value = json.loads(arguments)  # type: ignore[arg-type]
-            except (json.JSONDecodeError, TypeError) as exc:
-                raise InvalidToolArguments(f"arguments are not valid JSON ({exc})") from None
+                value = tiny_tools.parse_arguments(arguments)  # type: ignore[arg-type]
+            except tiny_tools.ToolError as exc:
+                raise InvalidToolArguments(str(exc)) from None
         problems = tiny_tools.validate(self.parameters, value)
         if problems:
             raise InvalidToolArguments("; ".join(problems), _named_fields(problems))

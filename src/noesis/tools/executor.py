@@ -1,5 +1,7 @@
 """Tool executor: runs one turn's tool calls concurrently (bounded), with per-call timeouts and
-retries, and maps every failure to an `error: ...` result for the model. Never raises for a tool."""
+retries, and maps every failure to an `error: ...` result for the model. Never raises for a tool.
+Sync tools run in threads, async ones on the loop, isolated ones in worker processes
+(noesis.tools.isolation), the only place a call that overruns its timeout can be stopped."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from noesis.errors import ConfigError, InvalidRequest
+from noesis.tools.isolation import Job, Outcome, WorkerPool, describe, shared_pool
 from noesis.tools.registry import (
     InvalidToolArguments,
     Tool,
@@ -122,14 +125,31 @@ class _Failure:
     exc: BaseException | None = None
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """One attempt's handle for stopping it: kills an isolated tool's worker process. `stopped`
+    tells our own cancellation apart from a CancelledError the tool raised itself."""
+
+    job: Job | None = None
+    stopped: bool = False
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.job is not None:
+            self.job.stop()
+
+
 class ToolExecutor:
     """Runs the tool calls of one turn against a registry.
 
     All calls start together, at most `max_concurrency` at a time; sync tools run in a thread pool,
-    async ones on the loop. Each attempt is bounded by `timeout_s` (None: unbounded). A sync tool
-    that times out cannot be stopped (Python has no thread kill): it is abandoned, its thread runs
-    to completion in the background and its result is dropped; the pool grows so it blocks nobody.
-    `sleep`, `clock` and `rng` are injectable for tests.
+    async ones on the loop, isolated ones (`Tool.isolated`) in `workers`' processes (default: the
+    process-wide pool). Each attempt is bounded by `timeout_s` (None: unbounded). An isolated tool
+    that times out is stopped: its worker process is killed. A sync tool cannot be (Python has no
+    thread kill): it is abandoned, its thread runs to completion in the background and its result
+    is dropped; the pool grows so it blocks nobody. Whatever a tool raises (any BaseException but
+    KeyboardInterrupt and SystemExit from an async tool, which belong to the caller's loop)
+    becomes an `error: ...` result. `sleep`, `clock` and `rng` are injectable for tests.
     """
 
     def __init__(
@@ -142,6 +162,7 @@ class ToolExecutor:
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         clock: Callable[[], float] = time.perf_counter,
         rng: random.Random | None = None,
+        workers: WorkerPool | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -153,6 +174,7 @@ class ToolExecutor:
         self.retry = retry if retry is not None else RetryPolicy()
         self.sleep, self.clock = sleep, clock
         self.rng = rng if rng is not None else random.Random()
+        self.workers = workers  # None: shared_pool(), looked up only when an isolated tool runs
 
     def with_registry(self, registry: ToolRegistry) -> ToolExecutor:
         """The same settings over another registry."""
@@ -200,7 +222,7 @@ class ToolExecutor:
         self, progress: _Progress, semaphore: asyncio.Semaphore, pool: ThreadPoolExecutor
     ) -> ToolResult:
         call = progress.call
-        tool = self.registry.find(call.name)
+        tool = self.registry.find(call.name) if isinstance(call.name, str) else None
         if tool is None:
             known = ", ".join(self.registry.names) or "none"
             message = f"unknown tool {call.name!r} (known: {known})"
@@ -209,6 +231,9 @@ class ToolExecutor:
             kwargs = tool.parse_arguments(call.arguments)
         except InvalidToolArguments as exc:
             return self._failed(progress, _Failure("invalid_arguments", str(exc), exc))
+        except Exception as exc:  # a parser's own failure (RecursionError, ...) is still a result
+            message = f"arguments could not be read ({describe(exc)})"
+            return self._failed(progress, _Failure("invalid_arguments", message, exc))
         while True:
             async with semaphore:
                 outcome = await self._attempt(progress, tool, kwargs, pool)
@@ -230,18 +255,40 @@ class ToolExecutor:
         progress.attempts += 1
         if progress.started is None:
             progress.started = self.clock()
-        task = asyncio.ensure_future(_invoke(tool, kwargs, pool))
-        done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+        attempt = _Attempt()
+        task = asyncio.ensure_future(self._invoke(tool, kwargs, pool, attempt))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+        except asyncio.CancelledError:  # the whole run was cancelled: stop the tool as well
+            _abandon(task, attempt)
+            raise
         if not done:
-            task.cancel()
-            task.add_done_callback(_discard)
+            _abandon(task, attempt)
             return _Failure("timeout", f"tool {tool.name!r} timed out after {self.timeout_s:g}s")
-        exc = task.exception()
-        if exc is None:
-            return task.result()
-        if isinstance(exc, ToolError):
-            return _Failure("tool_error", str(exc), exc)
-        return _Failure("exception", f"{type(exc).__name__}: {exc}", exc)
+        outcome = task.result()
+        if outcome.exc is None:
+            return outcome.content
+        if isinstance(outcome.exc, ToolError):
+            return _Failure("tool_error", str(outcome.exc), outcome.exc)
+        return _Failure("exception", describe(outcome.exc), outcome.exc)
+
+    async def _invoke(
+        self, tool: Tool, kwargs: dict[str, Any], pool: ThreadPoolExecutor, attempt: _Attempt
+    ) -> Outcome:
+        """Run one attempt where the tool's kind runs; what it raises comes back in the Outcome
+        (a thread's exception never travels through asyncio, which refuses StopIteration)."""
+        loop = asyncio.get_running_loop()
+        if tool.is_async:
+            return await _awaited(functools.partial(tool.function, **kwargs), attempt)
+        if tool.isolated:
+            attempt.job = (self.workers or shared_pool()).job(tool.function, kwargs)
+            return await loop.run_in_executor(pool, attempt.job.run)
+        context = contextvars.copy_context()  # the thread sees the caller's context variables
+        call = functools.partial(context.run, _capture, tool.function, kwargs)
+        outcome = await loop.run_in_executor(pool, call)
+        if inspect.isawaitable(outcome):  # a sync callable that returned a coroutine
+            return await _awaited(lambda: outcome, attempt)
+        return outcome
 
     # ------------------------------------------------------------ results
 
@@ -261,16 +308,38 @@ class ToolExecutor:
         return ToolResult(call.id, call.name, content, ok, error, progress.attempts, seconds)
 
 
-async def _invoke(tool: Tool, kwargs: dict[str, Any], pool: ThreadPoolExecutor) -> str:
-    if tool.is_async:
-        value = await tool.function(**kwargs)
-    else:
-        context = contextvars.copy_context()  # the thread sees the caller's context variables
-        call = functools.partial(context.run, tool.function, **kwargs)
-        value = await asyncio.get_running_loop().run_in_executor(pool, call)
-    if inspect.isawaitable(value):  # a sync callable that returned a coroutine
-        value = await value
-    return as_content(value)
+def _capture(function: Callable[..., Any], kwargs: dict[str, Any]) -> Outcome | Awaitable[Any]:
+    """On a pool thread: the call's Outcome, or the awaitable a sync callable returned. Catches
+    every BaseException: in a thread even SystemExit only ends the thread, never the process."""
+    try:
+        value = function(**kwargs)
+        return value if inspect.isawaitable(value) else Outcome(content=as_content(value))
+    except BaseException as exc:
+        return Outcome(exc=exc)
+
+
+async def _awaited(start: Callable[[], Awaitable[Any]], attempt: _Attempt) -> Outcome:
+    """Await a tool's awaitable on the loop; its exceptions become the Outcome, except our own
+    cancellation and the caller's KeyboardInterrupt/SystemExit, which propagate."""
+    try:
+        value = await start()
+        return Outcome(content=as_content(value))
+    except asyncio.CancelledError as exc:
+        if attempt.stopped:
+            raise
+        return Outcome(exc=exc)  # the tool raised CancelledError itself
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        return Outcome(exc=exc)
+
+
+def _abandon(task: asyncio.Future, attempt: _Attempt) -> None:
+    """Stop a timed-out or cancelled attempt: an isolated tool's worker is killed now, an async
+    tool is cancelled, a thread is left to finish unobserved."""
+    attempt.stop()
+    task.cancel()
+    task.add_done_callback(_discard)
 
 
 async def _wait_or_cancel(tasks: list[asyncio.Future], cancel: threading.Event | None) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import pickle
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import pydantic
@@ -50,7 +51,8 @@ class ArgumentParser(Protocol):
 
 @dataclass(frozen=True)
 class Tool:
-    """A callable the model may call: its name, description, argument schema and validator."""
+    """A callable the model may call: its name, description, argument schema and validator.
+    `isolated` tools run in a worker process that the executor kills when they time out."""
 
     name: str
     description: str
@@ -58,6 +60,7 @@ class Tool:
     function: Callable[..., Any]  # called with the parsed arguments as keywords
     parse_arguments: ArgumentParser
     is_async: bool
+    isolated: bool = False
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI `tools` entry."""
@@ -74,19 +77,29 @@ def tool(
     *,
     name: str | None = None,
     description: str | None = None,
+    isolated: bool = False,
 ) -> Any:
-    """Decorator: `@tool` or `@tool(name=..., description=...)` turns a function into a Tool."""
+    """Decorator: `@tool` or `@tool(name=..., description=..., isolated=...)` turns a function
+    into a Tool."""
     if function is None:
-        return lambda f: make_tool(f, name=name, description=description)
-    return make_tool(function, name=name, description=description)
+        return lambda f: make_tool(f, name=name, description=description, isolated=isolated)
+    return make_tool(function, name=name, description=description, isolated=isolated)
 
 
 def make_tool(
-    function: Callable[..., Any], *, name: str | None = None, description: str | None = None
+    function: Callable[..., Any],
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    isolated: bool = False,
 ) -> Tool:
     """A Tool from a sync or async callable: name from the function, description from the first
-    docstring paragraph, parameter schema from the type hints and the docstring's Args section."""
+    docstring paragraph, parameter schema from the type hints and the docstring's Args section.
+    `isolated=True` runs it in a worker process (see check_isolatable for what that needs)."""
     if isinstance(function, Tool):
+        if isolated and not function.isolated:
+            check_isolatable(function.function, function.name, function.is_async)
+            return replace(function, isolated=True)
         return function
     if not callable(function):
         raise ToolDefinitionError(f"a tool must be callable, got {type(function).__name__}")
@@ -95,14 +108,40 @@ def make_tool(
         raise ToolDefinitionError("a lambda or unnamed callable needs an explicit tool name")
     docstring = parse_docstring(inspect.getdoc(function))
     model = arguments_model(function, tool_name, docstring.params)
+    is_async = _is_async(function)
+    if isolated:
+        check_isolatable(function, tool_name, is_async)
     return Tool(
         name=tool_name,
         description=description if description is not None else docstring.summary,
         parameters=json_schema(model),
         function=function,
         parse_arguments=PydanticArguments(model),
-        is_async=_is_async(function),
+        is_async=is_async,
+        isolated=isolated,
     )
+
+
+def check_isolatable(function: Callable[..., Any], tool_name: str, is_async: bool) -> None:
+    """Raise ToolDefinitionError unless a worker process can run `function`: it must be sync (an
+    async tool runs on the caller's loop, where cancelling it works) and importable by name from
+    a module (pickled by reference): not a lambda, closure, local function or bound state that
+    does not pickle, and not defined in `__main__`, which the worker does not import."""
+    where = f"tool {tool_name!r} cannot be isolated"
+    if is_async:
+        raise ToolDefinitionError(f"{where}: it is async; isolated tools must be sync functions")
+    if getattr(function, "__module__", None) == "__main__":
+        raise ToolDefinitionError(
+            f"{where}: it is defined in __main__, which a worker process does not import; "
+            "move it to a module"
+        )
+    try:
+        pickle.dumps(function)
+    except Exception as exc:  # PicklingError, AttributeError, TypeError: all mean "not by name"
+        raise ToolDefinitionError(
+            f"{where}: a worker process can only run a function it can import by name "
+            f"(module level; not a lambda, closure or local function): {exc}"
+        ) from exc
 
 
 class ToolRegistry:
@@ -130,9 +169,10 @@ class ToolRegistry:
         *,
         name: str | None = None,
         description: str | None = None,
+        isolated: bool = False,
     ) -> Tool:
         """Add a Tool or callable; returns the Tool (so this works as a decorator too)."""
-        item = make_tool(function, name=name, description=description)
+        item = make_tool(function, name=name, description=description, isolated=isolated)
         if item.name in self._tools:
             raise ToolDefinitionError(f"a tool named {item.name!r} is already registered")
         self._tools[item.name] = item

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from noesis.errors import ConfigError, NoesisError
+from noesis.weights.files import regular_file_size
 
 PAGE_SIZE = mmap.PAGESIZE
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -45,7 +46,7 @@ class MappedFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.size = path.stat().st_size
+        self.size = regular_file_size(path)  # a pipe or a device would block or never end
         with open(path, "rb") as handle:
             self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         view = np.frombuffer(self.map, dtype=np.uint8)
