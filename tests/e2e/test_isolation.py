@@ -42,10 +42,10 @@ def tokens_of(events: list[dict]) -> list[str]:
 
 
 def engine_pids(server_pid: int) -> list[int]:
-    """The server's engine process (multiprocessing's spawned children, not its resource
-    tracker)."""
+    """The server's engine process (by the name it gives itself: not the body parser's worker
+    or multiprocessing's resource tracker)."""
     return [pid for pid in children(server_pid)
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "noesis-engine"]
 
 
 def wide_schema(properties: int, salt: str) -> dict:
@@ -149,12 +149,17 @@ def test_a_dead_engine_process_is_replaced_and_the_server_stays_up(start_server)
 
 def test_the_engine_process_never_outlives_the_server(tiny_model, tmp_path):
     server = ServerProcess(tiny_model, tmp_path)  # not start_server's: this one dies unclean
-    (engine_pid,) = engine_pids(server.process.pid)
-    server.process.kill()  # no chance to clean up: the engine process must notice by itself
+    assert len(engine_pids(server.process.pid)) == 1
+    deadline = time.monotonic() + 30
+    while len(children(server.process.pid)) < 3:  # the body parser's worker starts in the back
+        assert time.monotonic() < deadline, children(server.process.pid)
+        time.sleep(0.1)
+    pids = children(server.process.pid)  # engine, body parser, multiprocessing's tracker
+    server.process.kill()  # no chance to clean up: the children must notice by themselves
     server.stop()
     deadline = time.monotonic() + 10
-    while _alive(engine_pid):
-        assert time.monotonic() < deadline, f"engine process {engine_pid} outlived the server"
+    while left := [pid for pid in pids if _alive(pid)]:
+        assert time.monotonic() < deadline, f"{left} outlived the server"
         time.sleep(0.1)
 
 

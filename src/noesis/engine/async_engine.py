@@ -34,6 +34,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from noesis.engine.engine import Engine, EngineConfig, EngineFault
+from noesis.engine.naming import name_process
 from noesis.engine.outputs import RequestOutput, merge_deltas
 from noesis.errors import NoesisError
 from noesis.sampling.params import SamplingParams
@@ -508,6 +509,7 @@ def _engine_process_main(
     Once loaded, the parent alone decides when it ends (it drains first): SIGINT and SIGTERM
     are ignored, and a closed pipe means stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent's
+    name_process("noesis-engine")
     _exit_with_parent()
     setup_logging(log_level)
     try:

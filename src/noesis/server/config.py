@@ -5,9 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from noesis.engine.engine import EngineConfig
 from noesis.errors import ConfigError
+
+if TYPE_CHECKING:  # the request checks (protocol.py) import this module in a torch-free worker
+    from noesis.engine.engine import EngineConfig
+
+
+def _default_engine() -> EngineConfig:
+    from noesis.engine.engine import EngineConfig
+
+    return EngineConfig()
 
 COUNT_MAX = 2**31 - 1  # counts and sizes: anything larger is a typo, not a wish
 MAX_SECONDS = 1e9  # finite, and small enough for the event loop's timers
@@ -43,7 +52,7 @@ class RequestLimits:
 @dataclass(frozen=True)
 class ServeConfig:
     model: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=_default_engine)
     served_model_name: str | None = None  # default: the model directory's name
     host: str = "127.0.0.1"
     port: int = 8000

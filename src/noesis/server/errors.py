@@ -8,7 +8,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from noesis.engine.async_engine import EngineDead, EngineStepError, QueueFull, RequestFailed
 from noesis.errors import (
     ChatTemplateError,
     InvalidRequest,
@@ -66,6 +65,9 @@ class APIError(Exception):
 
 def from_exception(exc: BaseException) -> APIError:
     """Map an engine-side exception to the API error a client should see."""
+    # Here, not at the top: protocol.py (APIError) must import without torch (server/bodies.py).
+    from noesis.engine.async_engine import EngineDead, EngineStepError, QueueFull, RequestFailed
+
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFull):
