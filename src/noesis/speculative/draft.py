@@ -1,0 +1,234 @@
+"""DraftProposer: a small checkpoint that shares the target's tokenizer drafts each request's next
+tokens. It keeps its own paged KV cache (its own pool and page allocator), so a step feeds only
+the tokens the draft has not seen, then one decode per drafted token; no host sync while drafting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from noesis.engine.loading import LoadedModel, load_model
+from noesis.errors import ConfigError
+from noesis.kv.allocator import PageAllocator
+from noesis.kv.cache import KVPool
+from noesis.models.rope import RotaryEmbedding
+from noesis.runner.inputs import AttentionMetadata, PrefillSpan
+from noesis.runner.runner import default_attention
+from noesis.sampling.sampler import Penalties, SamplingTensors
+from noesis.speculative.proposer import Proposals, lengths_under_entropy
+from noesis.speculative.verify import draft_race, penalized, processed_probs
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    """One request's place in the draft cache."""
+
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0  # leading history tokens whose keys/values the cache holds
+    # The last proposals [k] (device) and the history length they followed: all but the last
+    # were fed, so those the target accepted are already cached.
+    drafted: torch.Tensor | None = None
+    drafted_from: int = 0
+
+
+class DraftProposer:
+    """Proposer over a draft model: `propose` drafts max(depths) tokens for every row that asks
+    for any (rows asking fewer are cut afterwards), sampling as the target's sampler would (the
+    knobs in `sampling`, noise from verify.DRAFT_COLUMN) and returning the distributions q."""
+
+    def __init__(self, loaded: LoadedModel, num_pages: int, page_size: int = 16,
+                 max_model_len: int = 2048, attention=None,
+                 entropy_cutoff: float = math.inf) -> None:
+        config = loaded.config
+        self.model, self.device, self.vocab_size = loaded.model, loaded.device, config.vocab_size
+        self.kv = KVPool(config, num_pages, page_size, loaded.dtype, loaded.device)
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.rope = RotaryEmbedding(config.rope, config.max_position_embeddings, max_model_len,
+                                    loaded.device)
+        self.attention = attention or default_attention(loaded.device, max_model_len)
+        self.max_model_len = max_model_len
+        self.entropy_cutoff = entropy_cutoff
+        self._seqs: dict[object, _DraftSeq] = {}
+
+    @classmethod
+    def load(cls, checkpoint: str, target_vocab_size: int, device="auto", dtype="auto",
+             **kwargs) -> DraftProposer:
+        """Load the draft checkpoint; its vocabulary must be the target's (q rows align)."""
+        loaded = load_model(checkpoint, device, dtype, progress=False)
+        if loaded.config.vocab_size != target_vocab_size:
+            raise ConfigError(
+                f"SpeculativeConfig.draft: {checkpoint} has a vocabulary of "
+                f"{loaded.config.vocab_size} tokens, the target {target_vocab_size}; the draft "
+                "must share the target's tokenizer"
+            )
+        return cls(loaded, **kwargs)
+
+    @torch.inference_mode()
+    def propose(self, request_ids: Sequence[object], histories: Sequence[Sequence[int]],
+                depths: Sequence[int], sampling: SamplingTensors | None = None) -> Proposals:
+        n, k = len(histories), max(depths, default=0)
+        rows = [i for i in range(n) if depths[i] > 0
+                and self._reserve(request_ids[i], histories[i], k)]
+        proposed = torch.zeros((n, k), dtype=torch.int64, device=self.device)
+        num_proposed = torch.zeros(n, dtype=torch.int64, device=self.device)
+        probs = torch.zeros((n, k, self.vocab_size), device=self.device)
+        if rows:
+            seqs = [self._seqs[request_ids[i]] for i in rows]
+            index = self._tensor(rows)
+            knobs = _select(sampling, index) if sampling is not None else None
+            tokens, q = self._draft(seqs, [histories[i] for i in rows], k, knobs)
+            depth = self._tensor([depths[i] for i in rows])
+            proposed[index], probs[index] = tokens, q
+            num_proposed[index] = lengths_under_entropy(q, depth, self.entropy_cutoff)
+        sampled = sampling is not None and not sampling.all_greedy
+        return Proposals(proposed, num_proposed, probs if sampled else None)
+
+    def release(self, request_id: object) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.allocator.free(seq.pages)
+
+    def _reserve(self, request_id: object, history: Sequence[int], k: int) -> bool:
+        """Sync the request's cache with its history and hold pages for k more tokens; False
+        (no proposals this step) when the context or the pool is full."""
+        if not history:
+            return False
+        seq = self._seqs.setdefault(request_id, _DraftSeq())
+        _resync(seq, history)
+        needed = len(history) + k - 1  # positions written: history, then k - 1 drafted tokens
+        missing = self.allocator.pages_for(needed) - len(seq.pages)
+        if needed > self.max_model_len or not self.allocator.can_allocate(max(missing, 0)):
+            return False
+        if missing > 0:
+            seq.pages.extend(self.allocator.allocate(missing))
+        return True
+
+    def _draft(self, seqs, histories, k, knobs):
+        """k tokens per row [r, k] and their distributions [r, k, V]."""
+        lengths = [len(h) for h in histories]
+        drafted = torch.zeros((len(seqs), k), dtype=torch.int64, device=self.device)
+        per_position, q = [], []
+        for j in range(k):
+            logits = (self._feed_history(seqs, histories) if j == 0 else  # [r, V]
+                      self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
+            per_position.append(logits)
+            # Penalties at position j count drafted[:, :j], so _pick sees every position so far.
+            token, dist = _pick(torch.stack(per_position, dim=1), drafted[:, :j], knobs, j)
+            drafted[:, j] = token
+            q.append(dist)
+        for seq, history, row in zip(seqs, histories, drafted, strict=True):
+            seq.num_cached, seq.drafted, seq.drafted_from = len(history), row, len(history)
+        return drafted, torch.stack(q, dim=1)
+
+    def _feed_history(self, seqs, histories) -> torch.Tensor:
+        """Forward each row's uncached history tokens; logits [r, V] after its last token."""
+        token_ids, positions, slots, last_rows, prefills, decodes = [], [], [], [], [], []
+        for seq, history in zip(seqs, histories, strict=True):
+            start, row = seq.num_cached, len(token_ids)
+            count = len(history) - start
+            token_ids.extend(history[start:])
+            positions.extend(range(start, start + count))
+            slots.extend(self._slot(seq, p) for p in range(start, start + count))
+            last_rows.append(row + count - 1)
+            if count == 1 and start > 0:
+                decodes.append((row, seq, start + 1))
+            else:
+                pages = self._tensor(seq.pages[: self.allocator.pages_for(start + count)])
+                prefills.append(PrefillSpan(row, count, start + count, pages))
+        meta = self._metadata(slots, prefills, decodes)
+        return self._forward(self._tensor(token_ids), positions, meta, last_rows)
+
+    def _decode(self, seqs, token_ids: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """One drafted token per row (on the device) at `positions`; logits [r, V]."""
+        slots = [self._slot(seq, p) for seq, p in zip(seqs, positions, strict=True)]
+        decodes = [(row, seq, p + 1) for row, (seq, p) in enumerate(zip(seqs, positions,
+                                                                         strict=True))]
+        meta = self._metadata(slots, [], decodes)
+        return self._forward(token_ids, positions, meta, list(range(len(seqs))))
+
+    def _forward(self, input_ids, positions, meta, last_rows) -> torch.Tensor:
+        positions = self._tensor(positions)
+        # No sequence lengths: a length-dependent rope (dynamic NTK) rotates by the table, which
+        # only costs the draft some accuracy at long contexts, never the output's exactness.
+        cos, sin = self.rope.cos_sin(positions)
+        hidden, residual = self.model(input_ids, cos, sin, self.kv.layers, meta, self.attention)
+        rows = self._tensor(last_rows)
+        residual = residual[rows] if residual is not None else None
+        return self.model.compute_logits(hidden[rows], residual)  # [r, V] float32
+
+    def _metadata(self, slots, prefills, decodes) -> AttentionMetadata:
+        """decodes: (row, seq, context length) of single-token rows."""
+        page_size = self.kv.page_size
+        max_ctx = max((ctx for _, _, ctx in decodes), default=0)
+        max_pages = self.allocator.pages_for(max_ctx)
+        tables = [seq.pages[:max_pages] + [0] * (max_pages - len(seq.pages[:max_pages]))
+                  for _, seq, _ in decodes]
+        return AttentionMetadata(
+            page_size=page_size,
+            slot_mapping=self._tensor(slots),
+            prefills=prefills,
+            decode_rows=self._tensor([row for row, _, _ in decodes]),
+            decode_pages=self._tensor(tables).view(len(decodes), max_pages),
+            decode_ctx_lens=self._tensor([ctx for _, _, ctx in decodes]),
+            max_decode_ctx=max_ctx,
+        )
+
+    def _slot(self, seq: _DraftSeq, position: int) -> int:
+        page_size = self.kv.page_size
+        return seq.pages[position // page_size] * page_size + position % page_size
+
+    def _tensor(self, values) -> torch.Tensor:
+        """A host list on the device; on CUDA through pinned memory, so the copy does not wait
+        for the work already queued (as the runner's own inputs)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
+
+
+def _resync(seq: _DraftSeq, history: Sequence[int]) -> None:
+    """Count the cached tokens still valid: the history's, plus the fed drafted tokens the
+    target accepted (read back here, after the verify step's own sync). At least the last
+    history token is always fed again, since its logits start the draft."""
+    if seq.drafted is not None:
+        drafted = seq.drafted.tolist()[:-1]  # the last drafted token was never fed
+        accepted = history[seq.drafted_from : seq.drafted_from + len(drafted)]
+        match = 0
+        while match < len(accepted) and accepted[match] == drafted[match]:
+            match += 1
+        seq.num_cached, seq.drafted = seq.drafted_from + match, None
+    seq.num_cached = min(seq.num_cached, len(history) - 1)
+
+
+def _pick(logits, so_far, knobs, j):
+    """The j-th drafted token per row and its distribution q [r, V] from the draft's logits
+    at positions 0..j [r, j + 1, V], as the target's sampler would pick (penalties counting
+    the earlier drafted tokens, temperature, filters)."""
+    if knobs is None:
+        last = logits[:, j]
+        return last.argmax(dim=-1), last.softmax(dim=-1)
+    q = processed_probs(logits, so_far, knobs)[:, j]
+    greedy = penalized(logits, so_far, knobs.penalties)[:, j].argmax(dim=-1)
+    if knobs.all_greedy:
+        return greedy, q
+    sampled = draft_race(q.log(), knobs.seeds, knobs.steps + j)
+    return torch.where(knobs.temperature == 0, greedy, sampled), q
+
+
+def _select(t: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
+    """The knobs of the chosen rows only."""
+
+    def pick(x):
+        return None if x is None else x[index]
+
+    penalties = None
+    if t.penalties is not None:
+        p = t.penalties
+        penalties = Penalties(pick(p.repetition), pick(p.presence), pick(p.frequency),
+                              pick(p.output_counts), pick(p.seen_mask))
+    return SamplingTensors(pick(t.temperature), pick(t.top_k), pick(t.top_p), pick(t.min_p),
+                           pick(t.seeds), pick(t.steps), t.all_greedy, penalties)
