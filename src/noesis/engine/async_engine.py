@@ -449,8 +449,8 @@ class EngineProcess:
         return backend
 
     def respawn(self) -> EngineProcess:
-        """A fresh child with this one's arguments (blocks while it loads); this one is closed."""
-        self.close()
+        """A fresh child with this one's arguments (blocks while it loads: call it off the event
+        loop, once this one is closed)."""
         return EngineProcess.spawn(*self._spawn_args)
 
     @property
@@ -786,6 +786,7 @@ class AsyncEngine:
 
     async def _restart(self) -> None:
         old = self.backend
+        old.close()  # here, on the loop: it removes the loop's reader of the old pipe
         try:
             fresh = await asyncio.to_thread(old.respawn)
         except Exception:
