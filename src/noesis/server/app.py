@@ -39,7 +39,13 @@ from noesis.server.config import RequestLimits, ServeConfig
 from noesis.server.errors import APIError, install_handlers
 from noesis.server.generation import Generation
 from noesis.server.metrics import CONTENT_TYPE, Metrics
-from noesis.server.protocol import ChatCompletionRequest, CompletionRequest
+from noesis.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    template_messages,
+)
 from noesis.server.responses import (
     ChatFormat,
     CompletionFormat,
@@ -53,7 +59,8 @@ from noesis.server.responses import (
 from noesis.turns import harmony_encoding, turn_params
 
 log = logging.getLogger("noesis.server")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
+          "/health", "/metrics")
 INLINE_TOKENIZE_BYTES = 8192
 
 
@@ -174,6 +181,12 @@ class ServerState:
         adjust(SamplingParams())  # validate here, before anything is queued
         fmt = ChatFormat if self.harmony is None else HarmonyChatFormat(self.harmony, body.n)
         return adjust, fmt
+
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        if body.prompt is not None:
+            return self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        messages = template_messages(body.messages, self.harmony is not None)
+        return self.tokenizer.encode_chat(messages, None, body.add_generation_prompt)
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
@@ -324,6 +337,34 @@ async def get_model(request: Request, model_id: str) -> dict:
     return _model_card(state)
 
 
+async def tokenize(request: Request) -> JSONResponse:
+    """vLLM's /tokenize: the ids a prompt (or chat messages, as the chat endpoint renders them)
+    becomes, the count and the context length."""
+    state = _state(request)
+    body, size = await _body(request, TokenizeRequest, state)
+    if body.model is not None:
+        state.check_model(body.model)
+    ids = await _off_loop_if_long(size, state.tokenize, body)
+    result = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        result["token_strs"] = [state.token_text(token) for token in ids]
+    return JSONResponse(result)
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    """vLLM's /detokenize: token ids back to text (special tokens included)."""
+    state = _state(request)
+    body, _ = await _body(request, DetokenizeRequest, state)
+    if body.model is not None:
+        state.check_model(body.model)
+    vocab = state.tokenizer.vocab_size
+    bad = [token for token in body.tokens if not 0 <= token < vocab]
+    if bad:
+        message = f"tokens: ids out of the vocabulary [0, {vocab}): {bad[:10]}"
+        raise APIError(400, message, "tokens", "invalid_value")
+    return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+
 def _model_card(state: ServerState) -> dict:
     return {
         "id": state.model_name,
@@ -461,6 +502,8 @@ def create_app(config: ServeConfig, backend: EngineThread | EngineProcess) -> Fa
     app.state.server = state
     install_handlers(app)
     app.include_router(v1)
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     if config.enable_docs:

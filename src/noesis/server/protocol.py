@@ -181,14 +181,7 @@ class ChatCompletionRequest(_SamplingFields):
     def template_messages(self, tool_calls: bool = False) -> list[dict[str, Any]]:
         """Messages for the chat template; assistant tool calls and tool results only when the
         model's format can carry them (`tool_calls`)."""
-        messages = [_template_message(i, m, tool_calls) for i, m in enumerate(self.messages)]
-        names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
-        for message in messages:  # a tool result names its tool through the call's id
-            if message["role"] == "tool" and "name" not in message:
-                name = names.get(message.get("tool_call_id"))
-                if name is not None:
-                    message["name"] = name
-        return messages
+        return template_messages(self.messages, tool_calls)
 
 
 class CompletionRequest(_SamplingFields):
@@ -234,6 +227,53 @@ class CompletionRequest(_SamplingFields):
         if isinstance(prompt[0], int):
             return [list(prompt)]
         return list(prompt)
+
+
+class TokenizeRequest(_Model):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # with `prompt`: the tokenizer's BOS and the like
+    add_generation_prompt: bool = True  # with `messages`
+    return_token_strs: bool = False
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt", "invalid_value")
+        if self.prompt is not None:
+            _check_prompt_chars("prompt", len(self.prompt), limits)
+            return
+        if len(self.messages) > limits.max_messages:
+            raise _over_limit("messages", f"{len(self.messages)} messages", limits.max_messages,
+                              "max-messages", "array_above_max_length")
+        _check_prompt_chars("messages", sum(m.text_chars() for m in self.messages), limits)
+
+
+class DetokenizeRequest(_Model):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        if limits.max_prompt_chars is not None and len(self.tokens) > limits.max_prompt_chars:
+            raise _over_limit("tokens", f"{len(self.tokens)} tokens", limits.max_prompt_chars,
+                              "max-prompt-chars", "array_above_max_length")
+
+
+def template_messages(messages: list[ChatMessage], tool_calls: bool) -> list[dict[str, Any]]:
+    """Wire messages -> the chat template's; a tool result names its tool through its call's
+    id."""
+    rendered = [_template_message(i, m, tool_calls) for i, m in enumerate(messages)]
+    names = {c["id"]: c["function"]["name"] for m in rendered for c in m.get("tool_calls", ())}
+    for message in rendered:
+        if message["role"] == "tool" and "name" not in message:
+            name = names.get(message.get("tool_call_id"))
+            if name is not None:
+                message["name"] = name
+    return rendered
 
 
 def parse_body(body: bytes, model: type[_Model], limits: RequestLimits | None = None):
