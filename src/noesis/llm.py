@@ -99,7 +99,8 @@ class LLM:
         if deterministic:
             base = dataclasses.replace(base, temperature=0.0, seed=0)
         prompt = self.render_chat(messages, tools)
-        turn = turn_params(base, encoding, tools, tool_choice, response_format, constrained)
+        turn = turn_params(base, encoding, tools, tool_choice, response_format, constrained,
+                           messages)
         (out,) = self._run_to_completion(self._add_all([prompt], [turn]), False, cancel)
         parsed = parse_completion(encoding, out.token_ids)
         calls = [SessionToolCall(new_call_id(), c.name, c.arguments) for c in parsed.tool_calls]

@@ -47,9 +47,12 @@ def turn_params(
     tool_choice: ToolChoice,
     response_format: dict[str, Any] | None,
     constrained: bool = True,
+    messages: list[dict[str, Any]] | None = None,
 ) -> SamplingParams:
     """`params` set up for one assistant turn: special tokens kept in the output (the parser
-    reads them), stops at <|return|>/<|call|>, and the turn grammar when `constrained`."""
+    reads them), stops at <|return|>/<|call|>, and the turn grammar when `constrained`.
+    `messages`, the conversation the turn answers, lets grounded arguments (`x-noesis-grounded`)
+    copy only the user's words; without it they decode as their plain schema."""
     if encoding is None:
         if tools or tool_choice not in ("none", None):
             raise InvalidRequest(
@@ -59,7 +62,9 @@ def turn_params(
         grammar = response_format_spec(response_format) if constrained else None
         return dataclasses.replace(params, grammar=grammar)
     response_format_schema(response_format)  # validated even when unconstrained
-    grammar = harmony_turn_spec(tools, tool_choice, response_format) if constrained else None
+    grammar = (
+        harmony_turn_spec(tools, tool_choice, response_format, messages) if constrained else None
+    )
     actions = encoding.stop_tokens_for_assistant_actions()
     stops = tuple(dict.fromkeys(params.stop_token_ids + actions))
     return dataclasses.replace(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from noesis.errors import CheckpointError, ConfigError
-from noesis.tiny import corpus
+from noesis.tiny import corpus, tools
 from noesis.voice.config import DEFAULTS, load_config, pick_device
 from noesis.voice.router import Router, RouterConfig, features, normalize
 
@@ -74,7 +74,8 @@ def test_routing_rules_pick_expert_tools_and_an_available_device():
     assert config.route("calculator", cuda_available=True).device == "cpu"  # the CPU kernel
     assert config.route("writing", cuda_available=True).device == "cuda"
     assert config.route("greeting", cuda_available=True).expert == "noesis-tiny-draft"
-    assert config.route("writing", cuda_available=False).tools == ()
+    # the catch-all rule declares every built-in tool the bundled model knows (issue 23)
+    assert config.route("writing", cuda_available=False).tools == tuple(tools.DECLARATION_ORDER)
     config.check_labels(tuple(corpus.GENERATORS))
     assert pick_device(("cuda", "cpu")) == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ConfigError, match="none of the devices"):

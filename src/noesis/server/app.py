@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
@@ -174,9 +175,11 @@ class ServerState:
         the response format. GrammarError (a 400) for bad tools / tool_choice / schemas."""
         choice = body.effective_tool_choice
         tools = body.tools if choice != "none" else None
+        messages = body.template_messages(self.harmony is not None)  # for grounded arguments
 
         def adjust(params):
-            return turn_params(params, self.harmony, tools, choice, body.response_format)
+            return turn_params(params, self.harmony, tools, choice, body.response_format,
+                               messages=messages)
 
         adjust(SamplingParams())  # validate here, before anything is queued
         fmt = ChatFormat if self.harmony is None else HarmonyChatFormat(self.harmony, body.n)
@@ -510,6 +513,11 @@ def create_app(config: ServeConfig, backend: EngineThread | EngineProcess) -> Fa
         for path, route in DOCS_ROUTES.items():
             app.add_api_route(path, route, methods=["GET"], include_in_schema=False)
     app.add_middleware(APIKeyGate, config=config)
+    if config.cors_origins:  # outside the key gate: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"], max_age=600,
+        )
     app.add_middleware(HTTPMetrics, metrics=state.metrics)
     app.add_middleware(CanonicalPaths)  # added last: runs first, so every layer sees one path
     state.limits  # noqa: B018 (derive the prompt limit now, not during the first request)

@@ -61,6 +61,9 @@ class ServeConfig:
     api_key: str | None = None
     metrics_public: bool = False  # /metrics without the key (for a scraper on a trusted network)
     enable_docs: bool = False  # /docs, /redoc, /openapi.json (behind the key like the rest)
+    # Browser origins allowed to call the API (CORS), e.g. ("http://localhost:3000",); "*" for
+    # any. Empty: no CORS headers, so browsers on other origins cannot read the responses.
+    cors_origins: tuple[str, ...] = ()
     max_n: int = 16  # choices per request
     max_tokens_limit: int | None = None  # per choice; default: the context length
     max_queue: int = 256  # requests waiting beyond the running batch before 429
@@ -78,6 +81,11 @@ class ServeConfig:
         check_count("max_queue", self.max_queue, lo=0)
         check_count("port", self.port, lo=0, hi=65535)
         _check_seconds("shutdown_timeout", self.shutdown_timeout)
+        for origin in self.cors_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"cors_origins: {origin!r} is not an origin (scheme://host[:port]) or '*'"
+                )
         if self.api_key is not None:
             _check_api_key(self.api_key)
 

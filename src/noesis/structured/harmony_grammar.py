@@ -8,9 +8,11 @@ prompt's):
     then  <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>
     or    <|channel|>final<|message|>TEXT<|return|>
 
-ARGS follows the tool's parameter schema. Free text holds no special token, and no spelled-out
-`<|` either (decoded text is parsed by its markers); a final's text also never says
-`to=functions`. A json_schema / json_object response_format makes the final's text that JSON.
+ARGS follows the tool's parameter schema; a property marked `x-noesis-grounded` must copy a span
+of the user's words in `messages` (noesis.structured.grounding), so the grammar is built per
+turn. Free text holds no special token, and no spelled-out `<|` either (decoded text is parsed
+by its markers); a final's text also never says `to=functions`. A json_schema / json_object
+response_format makes the final's text that JSON.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import re
 from typing import Any
 
+from noesis.structured.grounding import ground, user_texts
 from noesis.structured.matcher import GrammarError, GrammarSpec
 
 TOOL_CHOICES = ("auto", "none", "required")
@@ -36,17 +39,23 @@ def harmony_turn_spec(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: str | dict[str, Any] = "auto",
     response_format: dict[str, Any] | None = None,
+    messages: list[dict[str, Any]] | None = None,
 ) -> GrammarSpec:
-    return GrammarSpec.lark(harmony_turn_grammar(tools, tool_choice, response_format))
+    return GrammarSpec.lark(harmony_turn_grammar(tools, tool_choice, response_format, messages))
 
 
 def harmony_turn_grammar(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: str | dict[str, Any] = "auto",
     response_format: dict[str, Any] | None = None,
+    messages: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Lark text (llguidance dialect) of one assistant turn; GrammarError on a bad option."""
+    """Lark text (llguidance dialect) of one assistant turn; GrammarError on a bad option.
+    `messages` (the conversation so far) supplies the user's words that grounded arguments copy;
+    without it they decode as their plain schema."""
     functions = _functions(tools or [])
+    texts = user_texts(messages)
+    functions = {name: ground(schema, texts) for name, schema in functions.items()}
     callable_names = _callable(functions, tool_choice)
     final = _final_body(response_format)
     may_answer = tool_choice in ("auto", "none")  # "required" and a named tool force a call

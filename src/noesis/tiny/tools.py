@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from noesis.tiny.lexicon import country_table
+from noesis.tiny.lexicon import REAL_COUNTRIES, country_table
 
 ERROR_PREFIX = "error: "
 
@@ -384,6 +384,12 @@ def _string(description: str, **extra: Any) -> dict[str, Any]:
 
 
 _DATE = {"pattern": DATE_PATTERN}
+# Decoding-only (noesis.structured.grounding): the text and the country are copied from the user's
+# words, the country preferably one of the table's real ones. The model's declaration ignores
+# x-noesis-* keys, so the prompt it reads is unchanged. (The 20,000 fictional countries are not
+# listed: building them costs most of a second; a fictional name is still a span of the request.)
+_GROUNDED = {"x-noesis-grounded": True}
+_COUNTRY_GROUNDING = {"x-noesis-grounded": {"prefer": [row[0] for row in REAL_COUNTRIES]}}
 
 TOOLS: dict[str, Tool] = {
     tool.name: tool
@@ -444,7 +450,7 @@ TOOLS: dict[str, Tool] = {
             "Looks up the capital, population or currency of a country in the built-in table.",
             _object(
                 {
-                    "country": _string("The country name", minLength=1),
+                    "country": _string("The country name", minLength=1, **_COUNTRY_GROUNDING),
                     "field": _string("What to look up", enum=list(COUNTRY_FIELDS)),
                 },
                 ["country", "field"],
@@ -457,7 +463,7 @@ TOOLS: dict[str, Tool] = {
             _object(
                 {
                     "operation": _string("What to do", enum=list(STRING_OPERATIONS)),
-                    "text": _string("The text to work on"),
+                    "text": _string("The text to work on", **_GROUNDED),
                     "letter": _string("The letter to count (count_letter only)"),
                 },
                 ["operation", "text"],
@@ -466,3 +472,13 @@ TOOLS: dict[str, Tool] = {
         ),
     )
 }
+
+# All seven tools in the order the bundled model uses best when it is given every one: it was
+# trained with at most four declared and tends to overlook the first ones, so the tools it is asked
+# for most come last. Greedy, grounded, on 11 tool questions (at least one per tool): 7 right calls,
+# against 4 with calculator, convert_units, day_of_week, lookup_country alone; the TOOLS order
+# loses the calculator ("What is 17 times 23?"). The string tool is overlooked in this order.
+DECLARATION_ORDER = (
+    "string_tool", "add_days", "days_between", "calculator", "convert_units", "day_of_week",
+    "lookup_country",
+)

@@ -39,7 +39,15 @@ DEFAULTS: dict[str, Any] = {
     ]
     + [
         {"tasks": ["greeting"], "expert": "noesis-tiny-draft", "device": ["cpu"], "tools": []},
-        {"tasks": ["*"], "expert": "noesis-tiny", "device": ["cuda", "cpu"], "tools": []},
+        # A question the router did not place may still need a tool: every built-in one is
+        # declared, in noesis.tiny.tools.DECLARATION_ORDER (the order the model uses best).
+        {
+            "tasks": ["*"], "expert": "noesis-tiny", "device": ["cuda", "cpu"],
+            "tools": [
+                "string_tool", "add_days", "days_between", "calculator", "convert_units",
+                "day_of_week", "lookup_country",
+            ],
+        },
     ],
     # Intra-op threads per stage (torch, onnxruntime, ctranslate2). On 2 cores the LLM gets one,
     # so synthesis of the first sentence is not starved while generation goes on; synthesis gets
