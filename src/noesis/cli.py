@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tools",
         help="Harmony models: 'builtin' (noesis-tiny's calculator, convert_units, day_of_week, "
         "lookup_country; run for real), 'none', or comma-separated built-in tool names "
-        "(default: builtin for the bundled models, else none)",
+        "(default: all seven built-in tools for the bundled models, else none)",
     )
     chat.add_argument(
         "--unconstrained", action="store_true",
@@ -132,6 +132,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--enable-docs", action="store_true",
         help="serve /docs, /redoc and /openapi.json (behind the API key, as every route is)",
+    )
+    net.add_argument(
+        "--cors-origins", default="", metavar="ORIGINS",
+        help="comma-separated browser origins allowed to call the API (CORS), or '*' for any "
+             "(default: none)",
     )
     net.add_argument("--max-n", type=_int_in(1, _COUNT_MAX), default=16,
                      help="most choices per request")
@@ -229,7 +234,11 @@ def _seconds(text: str) -> float:
 
 
 def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--split", choices=("heldout", "train"), default="heldout")
+    parser.add_argument(
+        "--split", choices=("heldout", "train", "natural"), default="heldout",
+        help="corpus split, or 'natural': questions phrased as people write and say them, with "
+        "accuracy per phrasing kind (default heldout)",
+    )
     parser.add_argument("--n", type=int, default=200, help="conversations (default 200)")
     parser.add_argument("--corpus-seed", type=int, default=1234, help="corpus seed (default 1234)")
     parser.add_argument("--draft", help="a draft model: also measure draft/target agreement")
@@ -323,27 +332,34 @@ def _chat_reply(args: argparse.Namespace, llm, params):
     Harmony model, plain streamed text otherwise."""
     from noesis.errors import InvalidRequest
     from noesis.tiny import chat
+    from noesis.tiny import tools as tiny_tools
 
     if not chat.is_harmony(llm.tokenizer):
         if args.tools not in (None, "none"):
             raise InvalidRequest("--tools needs a Harmony model (one with <|start|>, <|channel|>)")
         return lambda history, message: _reply(llm, history, message, params)
     bundled = Path(_model_arg(args)).resolve() in BUNDLED_MODELS
-    declared = chat.tool_declarations(args.tools or ("builtin" if bundled else "none"))
+    # The bundled models get every built-in tool they know, in the order they use best.
+    default = ",".join(tiny_tools.DECLARATION_ORDER) if bundled else "none"
+    declared = chat.tool_declarations(args.tools or default)
     executor = chat.builtin_executor()
     if args.tool_timeout is not None:
         from noesis.tools.executor import ToolExecutor
 
         executor = ToolExecutor(executor.registry, timeout_s=args.tool_timeout)
     display = chat.Display()
-    if not args.unconstrained:
-        from noesis.structured.harmony_grammar import harmony_turn_spec
 
-        params = dataclasses.replace(params, grammar=harmony_turn_spec(declared or None))
+    from noesis.structured.harmony_grammar import harmony_turn_spec
 
     def reply(history: list[dict], message: str) -> None:
         history.append({"role": "user", "content": message})
-        chat.run_turn(llm, history, declared, params, display, executor=executor)
+        turn = params
+        if not args.unconstrained:
+            # Built per user message: grounded tool arguments copy this conversation's user
+            # words (the tool rounds within the turn add none).
+            grammar = harmony_turn_spec(declared or None, messages=history)
+            turn = dataclasses.replace(params, grammar=grammar)
+        chat.run_turn(llm, history, declared, turn, display, executor=executor)
 
     return reply
 
@@ -427,6 +443,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=_model_arg(args), engine=engine, served_model_name=args.served_model_name,
         host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
         metrics_public=args.metrics_public, enable_docs=args.enable_docs,
+        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, limits=RequestLimits(**given),
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,

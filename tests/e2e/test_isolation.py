@@ -171,7 +171,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("duration", [float(os.environ.get("NOESIS_SOAK_S", "20"))])
+@pytest.mark.parametrize("duration", [float(os.environ.get("NOESIS_SOAK_S", "12"))])
 def test_a_short_soak_keeps_every_response_intact(server, duration):
     soak = Soak(server.url, MODEL_NAME, CONTEXT, [server.process.pid], seed=1)
     report = asyncio.run(soak.run(duration, concurrency=32))

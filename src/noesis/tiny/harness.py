@@ -1,5 +1,6 @@
 """Tool-use eval harness behind `noesis eval tools`: held-out noesis-tiny conversations through an
-LLM it is given, the model's tool calls executed for real, scores from noesis.tiny.evaluate.
+LLM it is given, the model's tool calls executed for real, scores from noesis.tiny.evaluate. The
+`natural` split (noesis.tiny.natural) runs the same way, with rates per phrasing kind as well.
 
 One decoding run makes three batched passes over the examples:
   1. first:    the question -> the model's first turn (a tool call or a direct answer), scored by
@@ -26,7 +27,7 @@ from noesis.errors import InvalidRequest
 from noesis.sampling.params import SamplingParams
 from noesis.structured.harmony_grammar import harmony_turn_spec
 from noesis.structured.matcher import GrammarSpec
-from noesis.tiny import chat, corpus, evaluate
+from noesis.tiny import chat, corpus, evaluate, natural
 from noesis.tiny.corpus import Example
 from noesis.tiny.lexicon import Split
 
@@ -67,9 +68,12 @@ DEFINITIONS = {
 }
 
 
+SPLITS = ("heldout", "train", natural.SPLIT)  # natural: noesis.tiny.natural, not the corpus
+
+
 @dataclass(frozen=True)
 class EvalConfig:
-    split: Split = "heldout"
+    split: Split | str = "heldout"  # one of SPLITS
     n: int = 200
     corpus_seed: int = 1234  # the held-out seed of the preliminary transformers check
     max_tokens: int = 128  # per generation
@@ -111,7 +115,7 @@ def evaluate_tools(llm, config: EvalConfig, draft=None) -> dict[str, Any]:
         raise InvalidRequest("n and max_tool_steps must be >= 1")
     generate = generator(llm, config.controller)
     constraint = _constraint(config.constraint)
-    examples = corpus.generate(config.corpus_seed, config.split, config.n)
+    examples = eval_examples(config)
     runs = [run(generate, llm, examples, config, None, constraint)]
     if config.sampled is not None:
         runs.append(run(generate, llm, examples, config, config.sampled, constraint))
@@ -136,6 +140,15 @@ def evaluate_tools(llm, config: EvalConfig, draft=None) -> dict[str, Any]:
     report["definitions"] = DEFINITIONS
     report["scores"] = {r.label: evaluate.to_json(r.scores) for r in runs}
     return report
+
+
+def eval_examples(config: EvalConfig) -> list[Example]:
+    """The conversations of the configured split: the corpus's, or the natural-phrasing set."""
+    if config.split == natural.SPLIT:
+        return list(natural.generate(config.corpus_seed, config.n))
+    if config.split not in SPLITS:
+        raise InvalidRequest(f"unknown split {config.split!r} (available: {', '.join(SPLITS)})")
+    return corpus.generate(config.corpus_seed, config.split, config.n)
 
 
 def generator(llm, controller: str | None = None) -> Generate:
@@ -206,11 +219,36 @@ def run(
     summary["end_to_end_accuracy"] = _rate(
         [evaluate.final_correct(t.example, _last_turn(t)) for t in traces]
     )
+    if any(isinstance(e, natural.NaturalExample) for e in examples):
+        summary["by_kind"] = _by_kind(traces, scores)
     result = RunResult(label, scores, summary, time.perf_counter() - began)
     if sampled is None:
         result.continuations = [(p, ids) for p, (ids, _) in zip(prompts, firsts, strict=True)]
         result.continuations += supplied
     return result
+
+
+def _by_kind(traces: list[Trace], scores: list[evaluate.ExampleScore]) -> dict[str, Any]:
+    """Per phrasing kind of the natural split: selection, arguments, final and end-to-end rates."""
+    groups: dict[str, list[tuple[Trace, evaluate.ExampleScore]]] = {}
+    for trace, score in zip(traces, scores, strict=True):
+        example = trace.example
+        kind = example.kind if isinstance(example, natural.NaturalExample) else ""
+        groups.setdefault(kind, []).append((trace, score))
+    return {
+        kind: {
+            "examples": len(pairs),
+            "tool_selection_accuracy": _rate([s.call.selection_correct for _, s in pairs]),
+            "call_arguments_correct": _rate(
+                [s.call.arguments_correct for _, s in pairs if s.call.called is not None]
+            ),
+            "final_answer_accuracy": _rate([s.final_correct for _, s in pairs]),
+            "end_to_end_accuracy": _rate(
+                [evaluate.final_correct(t.example, _last_turn(t)) for t, _ in pairs]
+            ),
+        }
+        for kind, pairs in groups.items()
+    }
 
 
 def _label(sampled: SamplingParams, seed: int) -> str:
@@ -356,6 +394,8 @@ def format_report(report: dict[str, Any], header: str) -> str:
             f"   ({agreement['agreed_tokens']}/{agreement['target_tokens']} tokens)"
         )
     lines += ["", _task_table(runs)]
+    if "by_kind" in next(iter(runs.values())):
+        lines += ["", _kind_table(runs)]
     lines += ["", "Definitions:"]
     for key, text in DEFINITIONS.items():
         lines += textwrap.wrap(f"{key}: {text}", 100, initial_indent="  ", subsequent_indent="    ")
@@ -373,6 +413,21 @@ def _task_table(runs: dict[str, dict[str, Any]]) -> str:
             for r in runs.values()
         ]
         name = f"{task} ({stats['examples']})"
+        lines.append(f"{name:<32}" + "".join(f"{cell:>20}" for cell in cells))
+    return "\n".join(lines)
+
+
+def _kind_table(runs: dict[str, dict[str, Any]]) -> str:
+    """Per phrasing kind (natural split), for each run: selection / end-to-end accuracy."""
+    kinds = next(iter(runs.values()))["by_kind"]
+    lines = [f"{'per kind (n): selection / e2e':<32}" + "".join(f"{label:>20}" for label in runs)]
+    for kind, stats in kinds.items():
+        cells = [
+            f"{_cell(r['by_kind'][kind]['tool_selection_accuracy'], _percent)} / "
+            f"{_cell(r['by_kind'][kind]['end_to_end_accuracy'], _percent)}"
+            for r in runs.values()
+        ]
+        name = f"{kind} ({stats['examples']})"
         lines.append(f"{name:<32}" + "".join(f"{cell:>20}" for cell in cells))
     return "\n".join(lines)
 
