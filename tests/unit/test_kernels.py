@@ -338,7 +338,8 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
     from noesis import LLM, SamplingParams
 
     path = build_checkpoint(tmp_path / family, family, **config)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    new_tokens = 6  # under Triton's interpreter every token costs seconds; 5 decodes suffice
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=3)
 
     def run():
         llm = LLM(str(path), device="cpu", dtype="float32", progress=False, **engine)
@@ -359,8 +360,9 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
     assert model.model.layers[0].self_attn.sliding_window == config.get("sliding_window")
     if engine:
         assert llm.engine.prefix_cache.hit_tokens == 8
-    # per one-row step (9 decodes each, and the one-token prefill): 2 layers' qkv, 1 LM head
-    steps = 2 * 9 + 1 if fusable else 0
+    # per one-row step (the decodes of both prompts, and the one-token prefill): 2 layers' qkv,
+    # 1 LM head
+    steps = 2 * (new_tokens - 1) + 1 if fusable else 0
     assert launches.count("norm_qkv_rope_store") == 2 * steps
     assert launches.count("norm_logits") == steps
     for a, b in zip(got, want, strict=True):
