@@ -33,8 +33,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from noesis.engine.children import become_child
 from noesis.engine.engine import Engine, EngineConfig, EngineFault
-from noesis.engine.naming import name_process
 from noesis.engine.outputs import RequestOutput, merge_deltas
 from noesis.errors import NoesisError
 from noesis.sampling.params import SamplingParams
@@ -509,8 +509,7 @@ def _engine_process_main(
     Once loaded, the parent alone decides when it ends (it drains first): SIGINT and SIGTERM
     are ignored, and a closed pipe means stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent's
-    name_process("noesis-engine")
-    _exit_with_parent()
+    become_child("noesis-engine")  # it never outlives the server, even while loading
     setup_logging(log_level)
     try:
         engine = Engine(model, config)
@@ -529,19 +528,6 @@ def _engine_process_main(
             log.exception("engine fault: this engine process exits, the server starts another")
             logging.shutdown()
             os._exit(EXIT_FAULT)  # no teardown of a device in an unknown state
-
-
-def _exit_with_parent(poll_s: float = 0.5) -> None:
-    """The engine process never outlives the server: a thread (alive while the model loads, or
-    while a read of a bad file blocks) ends this process once its parent is gone."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="noesis-parent-watch", daemon=True).start()
 
 
 class _ChildPipes:

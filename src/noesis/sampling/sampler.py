@@ -80,7 +80,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs, reported)
 
 
-def reported(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+def _reported_ids(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
     """token_ids, or -1 where the row maximum is NaN, +inf or -inf: exactly when the row cannot
     give a token (NaN from a broken forward, or a mask that left nothing). On the device, no
     sync. (The Triton paths get the same from their race kernels instead.)"""
@@ -93,7 +93,7 @@ def _argmax_reported(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor |
     if CHECK_ROWS and _triton_race(logits):
         return ops.greedy_argmax(logits, report=True)
     token_ids = argmax(logits)
-    return token_ids, reported(logits, token_ids)
+    return token_ids, _reported_ids(logits, token_ids)
 
 
 def _triton_race(x: torch.Tensor) -> bool:
@@ -133,7 +133,7 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors):
         else:
             sampled = _race(scaled, t.seeds, t.steps)
     token_ids = torch.where(greedy_rows, argmax(logits), sampled)
-    return token_ids, reported(logits, token_ids)
+    return token_ids, _reported_ids(logits, token_ids)
 
 
 def _race(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,10 @@ import functools
 import multiprocessing
 import os
 import threading
-import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from noesis.engine.naming import name_process
+from noesis.engine.children import become_child
 from noesis.server.config import RequestLimits
 from noesis.server.errors import APIError
 from noesis.server.protocol import parse_body
@@ -77,8 +76,8 @@ class BodyParser:
                 self._pool = ProcessPoolExecutor(
                     max_workers=1,
                     mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_exit_with_parent,
-                    initargs=(os.getpid(),),
+                    initializer=become_child,
+                    initargs=("noesis-bodies", os.getpid()),
                 )
             return self._pool
 
@@ -88,16 +87,3 @@ def _parse_in_worker(body: bytearray, model: type, limits: RequestLimits):
         return parse_body(bytes(body), model, limits)
     except APIError as exc:
         return _Refusal(exc.status, exc.message, exc.param, exc.code)
-
-
-def _exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
-    """In the worker: named noesis-bodies for ps and top; ends once the server's process is
-    gone (even killed with SIGKILL)."""
-    name_process("noesis-bodies")
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="noesis-parent-watch", daemon=True).start()

@@ -17,17 +17,16 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from noesis.engine.children import become_child
 from noesis.errors import ConfigError
 from noesis.tools.registry import as_content
 
 DEFAULT_MAX_WORKERS = 4  # the executor's default concurrency: one turn's calls never queue
 REAP_TIMEOUT_S = 5.0  # a SIGKILLed worker is reaped in milliseconds; this only bounds a stuck wait
-ORPHAN_CHECK_S = 1.0  # how often a worker looks whether the process that started it is gone
 _FRAME = struct.Struct("!Q")  # the byte length before each pickle
 _BOOT = "import sys; from noesis.tools.isolation import serve; serve(*map(int, sys.argv[1:]))"
 
@@ -312,7 +311,8 @@ def serve(calls_fd: int, replies_fd: int, parent_pid: int) -> None:
     until the pool's end of the pipe closes."""
     # Ctrl-C reaches the whole process group; the parent decides what it stops, not each worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    # A worker busy with a long call would otherwise outlive a parent that was killed.
+    become_child("noesis-tool", parent_pid)
     with os.fdopen(calls_fd, "rb") as calls, os.fdopen(replies_fd, "wb") as replies:
         while True:
             try:
@@ -320,13 +320,6 @@ def serve(calls_fd: int, replies_fd: int, parent_pid: int) -> None:
                 _send(replies, _encode(_call(request)))
             except (EOFError, OSError):  # the pool closed its end, or its process is gone
                 return
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    # A worker busy with a long call would otherwise outlive a parent that was killed.
-    while os.getppid() == parent_pid:
-        time.sleep(ORPHAN_CHECK_S)
-    os._exit(1)
 
 
 def _call(request: bytes) -> Outcome:
