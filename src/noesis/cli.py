@@ -8,6 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+from noesis.sampling.params import INT64_MAX
+from noesis.server.config import COUNT_MAX, MAX_JSON_DEPTH
+
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
 BUNDLED_MODELS = (BUNDLED_MODEL, BUNDLED_MODEL.with_name("noesis-tiny-draft"))
 
@@ -138,14 +141,14 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="comma-separated browser origins allowed to call the API (CORS), or '*' for any "
              "(default: none)",
     )
-    net.add_argument("--max-n", type=_int_in(1, _COUNT_MAX), default=16,
+    net.add_argument("--max-n", type=_int_in(1, COUNT_MAX), default=16,
                      help="most choices per request")
     net.add_argument(
-        "--max-tokens-limit", type=_int_in(1, _COUNT_MAX),
+        "--max-tokens-limit", type=_int_in(1, COUNT_MAX),
         help="most tokens per choice (default: the context)",
     )
     net.add_argument(
-        "--max-queue", type=_int_in(0, _COUNT_MAX), default=256,
+        "--max-queue", type=_int_in(0, COUNT_MAX), default=256,
         help="requests that may wait beyond the running batch before 429 (default 256)",
     )
     net.add_argument(
@@ -155,15 +158,15 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_limit_args(parser)
     eng = parser.add_argument_group("engine")
-    eng.add_argument("--max-num-seqs", type=_int_in(1, _COUNT_MAX), default=64,
+    eng.add_argument("--max-num-seqs", type=_int_in(1, COUNT_MAX), default=64,
                      help="running batch size (default 64)")
     eng.add_argument(
-        "--max-num-batched-tokens", type=_int_in(1, _COUNT_MAX), default=2048,
+        "--max-num-batched-tokens", type=_int_in(1, COUNT_MAX), default=2048,
         help="tokens per step, also the prefill chunk (default 2048)",
     )
-    eng.add_argument("--kv-cache-memory", type=_int_in(1, _INT64_MAX), help="bytes for the KV pool")
-    eng.add_argument("--page-size", type=_int_in(1, _COUNT_MAX), default=16)
-    eng.add_argument("--seed", type=_int_in(-_INT64_MAX - 1, _INT64_MAX), default=0,
+    eng.add_argument("--kv-cache-memory", type=_int_in(1, INT64_MAX), help="bytes for the KV pool")
+    eng.add_argument("--page-size", type=_int_in(1, COUNT_MAX), default=16)
+    eng.add_argument("--seed", type=_int_in(-INT64_MAX - 1, INT64_MAX), default=0,
                      help="seeds requests that bring no seed")
     eng.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -174,11 +177,6 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="plan and launch the next engine step while the device runs this one (default: on "
         "CUDA, off elsewhere); --no-overlap-steps reads every step back first",
     )
-
-
-_COUNT_MAX = 2**31 - 1  # as ServeConfig's counts
-_INT64_MAX = 2**63 - 1
-_MAX_JSON_DEPTH = 512  # json.loads recurses per level: keep clear of Python's recursion limit
 
 
 # Flag -> help; the defaults are RequestLimits' (noesis.server.config), stated here so that
@@ -200,11 +198,11 @@ _LIMIT_FLAGS = {
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("request limits (checked before any work; over is a 400)")
     limits.add_argument(
-        "--max-body-bytes", type=_int_in(1, _COUNT_MAX), default=16 << 20, metavar="N",
+        "--max-body-bytes", type=_int_in(1, COUNT_MAX), default=16 << 20, metavar="N",
         help="bytes of one request body; more is a 413 (default 16777216)",
     )
     for flag, help_text in _LIMIT_FLAGS.items():
-        hi = _MAX_JSON_DEPTH if flag == "max-json-depth" else _COUNT_MAX
+        hi = MAX_JSON_DEPTH if flag == "max-json-depth" else COUNT_MAX
         limits.add_argument(f"--{flag}", type=_int_in(1, hi), metavar="N", help=help_text)
 
 

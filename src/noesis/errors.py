@@ -66,3 +66,12 @@ class OutOfKVCache(InvalidRequest):
 
 class ConfigError(NoesisError, ValueError):
     """An engine option (device, dtype, sizes) is invalid or cannot be satisfied."""
+
+
+def check_count(name: str, value: object, lo: int, hi: int) -> None:
+    """An option that must be a whole number in [lo, hi] (a bool is none): a ConfigError naming
+    it otherwise. The one range check of the engine's and the server's options."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name} must be between {lo} and {hi}, got {value}")

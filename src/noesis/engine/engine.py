@@ -20,13 +20,13 @@ from noesis.engine.outputs import RequestOutput
 from noesis.engine.request import RequestState
 from noesis.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from noesis.engine.sequence import FinishReason, Sequence
-from noesis.errors import ConfigError, InvalidRequest, NoesisError, PromptTooLong
+from noesis.errors import ConfigError, InvalidRequest, NoesisError, PromptTooLong, check_count
 from noesis.kv.allocator import PageAllocator
 from noesis.kv.cache import KVPool, page_bytes
 from noesis.kv.prefix_cache import PrefixCache
 from noesis.models.rope import RotaryEmbedding
 from noesis.runner.runner import LaunchedStep, ModelRunner
-from noesis.sampling.params import SamplingParams
+from noesis.sampling.params import INT64_MAX, SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,24 +63,17 @@ class EngineConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
-        for name in positive:
-            _check_count(name, getattr(self, name), lo=1)
+        # Sizes end up in int64 tensors: whole numbers below 2^63.
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            check_count(name, getattr(self, name), 1, INT64_MAX)
         for name in ("max_model_len", "kv_cache_memory", "max_graph_batch"):
             if getattr(self, name) is not None:
-                _check_count(name, getattr(self, name), lo=2 if name == "max_model_len" else 1)
-        _check_count("seed", self.seed, lo=0)
+                lo = 2 if name == "max_model_len" else 1
+                check_count(name, getattr(self, name), lo, INT64_MAX)
+        check_count("seed", self.seed, 0, INT64_MAX)
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
-
-
-def _check_count(name: str, value: object, lo: int) -> None:
-    """An engine option that is a whole number in [lo, 2^63): sizes end up in int64 tensors."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if not lo <= value < 2**63:
-        raise ConfigError(f"{name} must be >= {lo} (and < 2^63), got {value}")
 
 
 class Engine:

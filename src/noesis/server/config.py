@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from noesis.errors import ConfigError
+from noesis.errors import check_count as _check_range
 
 if TYPE_CHECKING:  # the request checks (protocol.py) import this module in a torch-free worker
     from noesis.engine.engine import EngineConfig
@@ -96,10 +97,7 @@ class ServeConfig:
 
 def check_count(name: str, value: object, lo: int = 1, hi: int = COUNT_MAX) -> None:
     """A whole number in [lo, hi], or a ConfigError naming the field."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise ConfigError(f"{name} must be between {lo} and {hi}, got {value}")
+    _check_range(name, value, lo, hi)
 
 
 def _check_seconds(name: str, value: object) -> None:
