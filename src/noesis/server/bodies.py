@@ -5,7 +5,7 @@ the GIL for tens of milliseconds each (a 15 MB prompt: ~10 ms of UTF-8 decoding,
 counting, ~20 of parsing), and a worker thread holding the GIL stalls the event loop that writes
 every stream's tokens just the same. So: a small body is parsed right here, a mid-sized one on a
 thread (its C calls are short), and one over PROCESS_BYTES in a worker process, which hands back
-the validated request (or the refusal) for the cost of one copy.
+the validated request (or raises its APIError) for the cost of one copy.
 """
 
 from __future__ import annotations
@@ -16,33 +16,18 @@ import multiprocessing
 import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 
 from noesis.engine.children import become_child
 from noesis.server.config import RequestLimits
-from noesis.server.errors import APIError
 from noesis.server.protocol import parse_body
 
 INLINE_BYTES = 8192  # a thread hop costs more than parsing this
 PROCESS_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class _Refusal:
-    """An APIError as it crosses back from the worker (its __init__ does not match its args)."""
-
-    status: int
-    message: str
-    param: str | None
-    code: str | None
-
-    def error(self) -> APIError:
-        return APIError(self.status, self.message, self.param, self.code)
-
-
 class BodyParser:
-    """Parses request bodies by size: here, on a thread, or in one worker process (spawned on
-    the first large body, reused, gone with this process)."""
+    """Parses request bodies by size: here, on a thread, or in one worker process (started with
+    the server by `warm`, reused, gone with this process)."""
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
@@ -51,15 +36,12 @@ class BodyParser:
     async def parse(self, body: bytes | bytearray, model: type, limits: RequestLimits):
         """The validated request; raises the APIError (400) that names what is wrong."""
         if len(body) <= INLINE_BYTES:
-            return parse_body(bytes(body), model, limits)
+            return parse_body(body, model, limits)
         if len(body) <= PROCESS_BYTES:
-            return await asyncio.to_thread(parse_body, bytes(body), model, limits)
+            return await asyncio.to_thread(parse_body, body, model, limits)
         loop = asyncio.get_running_loop()
-        parse = functools.partial(_parse_in_worker, body, model, limits)
-        result = await loop.run_in_executor(self._worker(), parse)
-        if isinstance(result, _Refusal):
-            raise result.error()
-        return result
+        parse = functools.partial(parse_body, body, model, limits)
+        return await loop.run_in_executor(self._worker(), parse)
 
     def warm(self) -> None:
         """Start the worker now (in the background), so that the first large body does not
@@ -80,10 +62,3 @@ class BodyParser:
                     initargs=("noesis-bodies", os.getpid()),
                 )
             return self._pool
-
-
-def _parse_in_worker(body: bytearray, model: type, limits: RequestLimits):
-    try:
-        return parse_body(bytes(body), model, limits)
-    except APIError as exc:
-        return _Refusal(exc.status, exc.message, exc.param, exc.code)

@@ -48,6 +48,9 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    def __reduce__(self):  # its args are not __init__'s: pickle (from a worker) needs the fields
+        return type(self), (self.status, self.message, self.param, self.code, self.headers)
+
     def body(self) -> dict:
         error_type = ERROR_TYPES.get(self.status, "invalid_request_error")
         return {

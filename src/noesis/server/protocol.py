@@ -276,7 +276,9 @@ def template_messages(messages: list[ChatMessage], tool_calls: bool) -> list[dic
     return rendered
 
 
-def parse_body(body: bytes, model: type[_Model], limits: RequestLimits | None = None):
+def parse_body(
+    body: bytes | bytearray, model: type[_Model], limits: RequestLimits | None = None
+):
     """Bytes -> validated request within `limits`, or a 400 naming what is wrong."""
     limits = limits or RequestLimits()
     data = load_json(body, limits.max_json_depth)
