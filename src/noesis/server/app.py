@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import gc
 import hmac
 import logging
@@ -35,7 +34,7 @@ from noesis.engine.async_engine import (
 from noesis.engine.engine import Engine
 from noesis.errors import PromptTooLong
 from noesis.sampling.params import SamplingParams
-from noesis.server.bodies import BodyParser
+from noesis.server.bodies import INLINE_BYTES, BodyParser
 from noesis.server.config import RequestLimits, ServeConfig
 from noesis.server.errors import APIError, install_handlers
 from noesis.server.generation import Generation
@@ -62,7 +61,6 @@ from noesis.turns import harmony_encoding, turn_params
 log = logging.getLogger("noesis.server")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
           "/health", "/metrics")
-INLINE_TOKENIZE_BYTES = 8192
 
 
 class ServerState:
@@ -82,6 +80,7 @@ class ServerState:
         self.created = int(time.time())
         self.draining = False
         self.bodies = BodyParser()
+        self.limits = _request_limits(config.limits, info)
 
     def begin_drain(self) -> None:
         """Refuse new work now; end what still runs once the shutdown deadline has passed."""
@@ -93,16 +92,6 @@ class ServerState:
         loop.call_later(self.config.shutdown_timeout, self.engine.fail_all, error)
 
     # ---- checks ------------------------------------------------------------------------------
-
-    @functools.cached_property
-    def limits(self) -> RequestLimits:
-        """The configured request limits; without --max-prompt-chars, the most characters a
-        prompt can have and still fit: the context times the tokenizer's longest token."""
-        limits = self.config.limits
-        if limits.max_prompt_chars is not None:
-            return limits
-        chars = self.max_model_len * longest_token_chars(self.tokenizer)
-        return dataclasses.replace(limits, max_prompt_chars=chars)
 
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.config.model):
@@ -279,9 +268,18 @@ def _body_too_large(limit: int) -> APIError:
 async def _off_loop_if_long(size: int, work, body):
     """Tokenize (and template) a small body right here; a long one on a worker thread, so that
     it cannot stall the streams in flight. A thread hop costs more than a short prompt."""
-    if size <= INLINE_TOKENIZE_BYTES:
+    if size <= INLINE_BYTES:
         return work(body)
     return await asyncio.to_thread(work, body)
+
+
+def _request_limits(limits: RequestLimits, info) -> RequestLimits:
+    """The configured request limits; without --max-prompt-chars, the most characters a prompt
+    can have and still fit: the context times the tokenizer's longest token."""
+    if limits.max_prompt_chars is not None:
+        return limits
+    chars = info.max_model_len * longest_token_chars(info.tokenizer)
+    return dataclasses.replace(limits, max_prompt_chars=chars)
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -520,7 +518,6 @@ def create_app(config: ServeConfig, backend: EngineThread | EngineProcess) -> Fa
         )
     app.add_middleware(HTTPMetrics, metrics=state.metrics)
     app.add_middleware(CanonicalPaths)  # added last: runs first, so every layer sees one path
-    state.limits  # noqa: B018 (derive the prompt limit now, not during the first request)
     return app
 
 
