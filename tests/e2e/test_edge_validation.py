@@ -23,7 +23,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 VICTIM = {
     "model": MODEL_NAME,
     "prompt": [5, 6, 7, 8],
-    "max_tokens": 400,
+    # Nearly the whole context (1,024): long enough that every hostile block falls inside it
+    # even on a slow machine (400 tokens ended before some blocks on a loaded CI run).
+    "max_tokens": 1000,
     "temperature": 0,
     "ignore_eos": True,
     "logprobs": 0,
@@ -202,7 +204,7 @@ def test_a_15_mb_prompt_is_refused_before_tokenizing(server, reference):
         # with the load average at 5. Tokenizing it first took 19 s.
         assert elapsed < 2.5, f"{elapsed:.2f} s to refuse"
     # The same through the official client and as a chat message (outside the victim's block:
-    # encoding 15 MB here takes longer than the victim's 400 tokens).
+    # they test the refusal, and encoding 15 MB in this process is no server's doing).
     client = server.client(api_key=KEY, timeout=30)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
