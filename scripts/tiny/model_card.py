@@ -39,12 +39,12 @@ def _header(name: str, role: str, summary: dict) -> str:
     params = summary["parameters"]
     return f"""# {name}
 
-A {params / 1e6:.1f}M-parameter Llama-architecture model trained from scratch in a few minutes on a
-synthetic corpus, so that noesis ships a model that needs no download. It speaks the Harmony format
+A {params / 1e6:.1f}M-parameter Llama-architecture model trained in minutes on a synthetic
+corpus, so that noesis ships a model that needs no download. It speaks the Harmony format
 of gpt-oss (analysis / commentary / final channels) and calls the built-in tools of
 `noesis.tiny.tools`. It is the **{role}** of a pair with `{partner}`; both use the same tokenizer,
 so the draft can propose tokens for speculative decoding. It is a test bed, not a general assistant:
-outside its templated tasks it knows almost nothing."""
+outside its tasks it knows almost nothing."""
 
 
 def _architecture(model: dict, config: dict, summary: dict) -> str:
@@ -101,13 +101,20 @@ entity decides its split). Most names and words are made up afresh for each exam
 table holds 20,000 fictional countries, so the model learns to copy entities rather than memorize a
 list of them (a first run with small closed lists copied unseen names badly). In
 {DEFAULT_MIXTURE.history:.0%} of conversations an earlier exchange comes first, its analysis dropped
-as gpt-oss does."""
+as gpt-oss does. In the training split, {DEFAULT_MIXTURE.paraphrased:.0%} of tool questions are
+written by `noesis.tiny.paraphrase` in a natural voice instead of the templates: numbers in words or
+mixed with digits, lower case without punctuation, polite and terse forms, typos, and speech
+transcripts with fillers, with many verbs, operators, unit spellings and date forms. Held-out items
+keep the templates, and no question of the natural evaluation split (`noesis eval tools --split
+natural`, seed 1234) is ever trained on."""
 
 
 def _training(summary: dict, train: dict, result: dict, pair_command: str) -> str:
     minutes = result["seconds"] / 60
     data_config = summary["data"].get("config", {})
     data_seed, items = data_config.get("seed"), data_config.get("train_items")
+    reused = data_config.get("tokenizer_from")
+    reuse = f" --tokenizer {reused}" if reused else ""
     masked = train.get("mask_history", False)
     masking = "masked" if masked else "not masked (trained before --mask-history)"
     command = summary["command"] + ("" if masked else " --no-mask-history")
@@ -132,12 +139,12 @@ def _training(summary: dict, train: dict, result: dict, pair_command: str) -> st
 | final held-out loss | {result["heldout_loss"]:.4f} ({train["eval_batches"]} batches) |
 | loss on earlier assistant turns | {masking} |
 
-Reproduce (one device, one command; target and draft train side by side):
+Reproduce (one device; target and draft train side by side):
 
 ```
 {pair_command}
 # which runs:
-python -m noesis.tiny.data --out /tmp/tiny/data --seed {data_seed} --train-items {items}
+python -m noesis.tiny.data --out /tmp/tiny/data --seed {data_seed} --train-items {items}{reuse}
 {command}
 ```"""
 
@@ -145,10 +152,8 @@ python -m noesis.tiny.data --out /tmp/tiny/data --seed {data_seed} --train-items
 def _evaluation(hf_eval: dict | None) -> str:
     text = """## Tool-use evaluation
 
-**TO BE FILLED by the engine harness** (`noesis eval tools --model M --split heldout`):
-tool-selection accuracy, first-try call validity, final-answer accuracy with the tool result
-supplied, tokens to answer, and draft/target greedy agreement. Targets: selection >= 90%, final
-answer >= 85%, agreement >= 60%."""
+`noesis eval tools --split heldout` and `--split natural` (the engine harness): figures in
+`benchmarks/RESULTS.md` (sections "Bundled model, tool use" and "Natural phrasing")."""
     if hf_eval:
         rows = "\n".join(
             f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |"

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from noesis.tiny import corpus, lexicon
+from noesis.tiny import corpus, lexicon, paraphrase
 from noesis.tiny.corpus import MONTHS
 from noesis.tiny.harmony import RETURN
 from noesis.tiny.tools import TOOLS, execute, validate
@@ -85,7 +85,8 @@ def _question_numbers(example: corpus.Example) -> set[str]:
 
 
 def test_heldout_shares_no_entity_or_number_with_train(train_examples, heldout_examples):
-    train_numbers = set().union(*map(_question_numbers, train_examples))
+    templated = [x for x in train_examples if x.voice == "template"]
+    train_numbers = set().union(*map(_question_numbers, templated))
     heldout_numbers = set().union(*map(_question_numbers, heldout_examples))
     assert heldout_numbers and not train_numbers & heldout_numbers
     train_entities = {e.lower() for x in train_examples for e in x.entities}
@@ -94,8 +95,44 @@ def test_heldout_shares_no_entity_or_number_with_train(train_examples, heldout_e
     assert all(lexicon.split_of(e) == "heldout" for e in heldout_entities)
 
 
+def test_paraphrased_questions_keep_to_train_numbers(train_examples):
+    """A paraphrased question (noesis.tiny.paraphrase) writes numbers in many date and number
+    forms; apart from days and months and the small numbers shared by both splits
+    (paraphrase.SMALL), every number it shows is a train number."""
+    paraphrased = [x for x in train_examples if x.voice != "template" and x.expected_tool]
+    assert len(paraphrased) > 200 and len({x.voice for x in paraphrased}) >= 10
+    shown = 0
+    for example in paraphrased:
+        text = example.prompt_messages[-1]["content"].replace(",", "")
+        allowed = set()
+        for key in ("date", "start", "end"):
+            if key in example.expected_arguments:
+                _, month, day = example.expected_arguments[key].split("-")
+                allowed |= {month, day, str(int(month)), str(int(day))}
+        numbers = {n for n in re.findall(r"\d+", text) if n not in allowed}
+        large = {n for n in numbers if int(n) > paraphrase.SMALL}
+        shown += len(large)
+        assert all(lexicon.split_of(int(n)) == "train" for n in large), (text, large)
+    assert shown > 100
+
+
+def test_paraphrased_voices_and_the_heldout_templates():
+    """About the configured share of training tool questions are paraphrased; held-out examples
+    are always the templates, identical with and without paraphrasing."""
+    train = corpus.generate(5, "train", 1200)
+    tool_questions = [x for x in train if x.task in paraphrase.BUILDERS]
+    share = sum(x.voice != "template" for x in tool_questions) / len(tool_questions)
+    assert abs(share - corpus.DEFAULT_MIXTURE.paraphrased) < 0.06
+    plain = corpus.Mixture(paraphrased=0.0)
+    heldout = [corpus.example(5, "heldout", i) for i in range(200)]
+    assert heldout == [corpus.example(5, "heldout", i, plain) for i in range(200)]
+    assert all(x.voice == "template" for x in heldout)
+
+
 def test_recorded_entities_appear_in_the_conversation(train_examples):
-    for example in train_examples[:300]:
+    # A paraphrased question may say its numbers only in words; its call writes them in digits.
+    shown = [x for x in train_examples if x.voice == "template" or x.expected_tool]
+    for example in shown[:300]:
         text = example.text().lower()
         assert all(entity.lower() in text for entity in example.entities)
 

@@ -8,13 +8,15 @@ countries, and every number and year that appears in a question.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from noesis.tiny import english, harmony, lexicon
+from noesis.tiny import english, harmony, lexicon, paraphrase
 from noesis.tiny.lexicon import Split
 from noesis.tiny.tools import ERROR_PREFIX, TOOLS, UNITS, WEEKDAYS, execute, format_number, schemas
 
@@ -36,6 +38,7 @@ class Example:
     tool_result: str | None
     expected_answer: str | None  # a correct final answer contains it; None: not scored
     entities: tuple[str, ...] = ()  # names, words, countries and numbers drawn from the split
+    voice: str = "template"  # how the question is written: the templates, or a paraphrase voice
 
     @property
     def prompt_messages(self) -> list[dict[str, Any]]:
@@ -85,6 +88,7 @@ class Task:
     finish: Callable[[str], tuple[str, str]] | None = None
     final: str = ""  # for tasks answered without a tool
     answer: str | None = None
+    voice: str = "template"
 
 
 @dataclass
@@ -148,6 +152,9 @@ class Mixture:
     no_tools: float = 0.06  # no developer tools at all
     history: float = 0.10  # an earlier small exchange before the question
     max_declared: int = 4
+    # Training tool questions written by noesis.tiny.paraphrase (natural voices) instead of the
+    # templates; held-out examples always use the templates, so that split stays comparable.
+    paraphrased: float = 0.6
 
 
 DEFAULT_MIXTURE = Mixture()
@@ -157,7 +164,11 @@ def example(seed: int, split: Split, index: int, mixture: Mixture = DEFAULT_MIXT
     draw = Draw(random.Random(f"noesis-tiny/{seed}/{split}/{index}"), split)
     rng = draw.rng
     kinds, weights = zip(*mixture.weights.items(), strict=True)
-    task = GENERATORS[rng.choices(kinds, weights)[0]](draw)
+    kind = rng.choices(kinds, weights)[0]
+    task = None
+    if split == "train" and kind in paraphrase.BUILDERS and rng.random() < mixture.paraphrased:
+        task = _paraphrased(draw, kind)
+    task = task or GENERATORS[kind](draw)
     declared = _declare_tools(rng, task.tool, mixture)
     messages = _instructions(rng) + _history(draw, mixture) + [user(task.question)]
     built = _answer(task, declared)
@@ -173,7 +184,42 @@ def example(seed: int, split: Split, index: int, mixture: Mixture = DEFAULT_MIXT
         tool_result=built.result,
         expected_answer=built.answer,
         entities=tuple(draw.entities),
+        voice=task.voice,
     )
+
+
+def _paraphrased(draw: Draw, kind: str) -> Task | None:
+    """The task with its question in a natural voice, or None when the natural evaluation split
+    asks the very same question (then the templates phrase it instead)."""
+    voice = paraphrase.pick_voice(draw.rng)
+    phrased = paraphrase.BUILDERS[kind](draw, voice)
+    if asked_by_evaluation(phrased.question):
+        return None
+    task = TOOL_TASKS[kind](draw, phrased.question, phrased.arguments)
+    task.voice = f"{voice.numbers}/{voice.surface}"
+    return task
+
+
+EVALUATION_SEED = 1234  # harness.EvalConfig.corpus_seed, the seed `noesis eval tools` uses
+EVALUATION_ITEMS = 2000  # of the natural split at that seed, kept out of training
+
+
+@functools.cache
+def _evaluation_questions() -> frozenset[str]:
+    from noesis.tiny import natural  # it imports this module
+
+    items = natural.generate(EVALUATION_SEED, EVALUATION_ITEMS)
+    return frozenset(_normalized(x.messages[0]["content"]) for x in items)
+
+
+def _normalized(question: str) -> str:
+    return " ".join(re.sub(r"[^\w\s]", " ", question.lower()).split())
+
+
+def asked_by_evaluation(question: str) -> bool:
+    """Whether the natural split (at the evaluation seed) asks this question, up to case,
+    punctuation and spacing: such a question never enters the training corpus."""
+    return _normalized(question) in _evaluation_questions()
 
 
 def generate(seed: int, split: Split, count: int, start: int = 0) -> list[Example]:
@@ -321,6 +367,11 @@ def _calculator(d: Draw) -> Task:
     display = question
     if shape in ("binary", "ternary") and rng.random() < 0.5:
         display = rng.choice(_ASK).format(_spaced(expression) if rng.random() < 0.5 else expression)
+    return _calculator_task(d, display, {"expression": expression})
+
+
+def _calculator_task(d: Draw, question: str, arguments: dict[str, Any]) -> Task:
+    rng, expression = d.rng, arguments["expression"]
     thinking = rng.choice(
         (
             f"The user wants {expression}. I will use the calculator.",
@@ -333,7 +384,7 @@ def _calculator(d: Draw) -> Task:
         text = rng.choice((f"{expression} = {result}.", f"The answer is {result}."))
         return text, result
 
-    return Task("calculator", display, "calculator", {"expression": expression}, thinking, finish)
+    return Task("calculator", question, "calculator", arguments, thinking, finish)
 
 
 def _spaced(expression: str) -> str:
@@ -432,6 +483,12 @@ def _convert_units(d: Draw) -> Task:
     a, b = rng.choice(UNIT_ALIASES[source.name]), rng.choice(UNIT_ALIASES[target.name])
     question = rng.choice(_UNIT_ASK).format(v=shown, a=a, b=b)
     arguments = {"value": value, "from_unit": source.name, "to_unit": target.name}
+    return _convert_units_task(d, question, arguments)
+
+
+def _convert_units_task(d: Draw, question: str, arguments: dict[str, Any]) -> Task:
+    source, target = UNITS[arguments["from_unit"]], UNITS[arguments["to_unit"]]
+    shown = format_number(arguments["value"])
     thinking = f"Convert {shown} {source.name} to {target.name} with convert_units."
 
     def finish(result: str) -> tuple[str, str]:
@@ -474,17 +531,19 @@ def _add_days(d: Draw) -> Task:
                 "If today is {d}, what date will it be in {n} days?",
             )
         )
-    signed = -days if before else days
-    word = "before" if before else "after"
+    arguments = {"date": start, "days": -days if before else days}
+    return _add_days_task(d, question.format(n=days, d=shown), arguments)
+
+
+def _add_days_task(d: Draw, question: str, arguments: dict[str, Any]) -> Task:
+    start, signed = arguments["date"], arguments["days"]
+    word = "before" if signed < 0 else "after"
     thinking = f"Start at {start} and add {signed} days with add_days."
 
     def finish(result: str) -> tuple[str, str]:
-        return f"{days} days {word} {start} is {result}.", result
+        return f"{abs(signed)} days {word} {start} is {result}.", result
 
-    arguments = {"date": start, "days": signed}
-    return Task(
-        "add_days", question.format(n=days, d=shown), "add_days", arguments, thinking, finish
-    )
+    return Task("add_days", question, "add_days", arguments, thinking, finish)
 
 
 def _days_between(d: Draw) -> Task:
@@ -500,12 +559,16 @@ def _days_between(d: Draw) -> Task:
             "Count the days from {a} until {b}.",
         )
     ).format(a=a, b=b)
+    return _days_between_task(d, question, {"start": start, "end": end})
+
+
+def _days_between_task(d: Draw, question: str, arguments: dict[str, Any]) -> Task:
+    start, end = arguments["start"], arguments["end"]
     thinking = f"Count the days from {start} to {end} with days_between."
 
     def finish(result: str) -> tuple[str, str]:
         return f"There are {result} days from {start} to {end}.", result
 
-    arguments = {"start": start, "end": end}
     return Task("days_between", question, "days_between", arguments, thinking, finish)
 
 
@@ -519,12 +582,17 @@ def _day_of_week(d: Draw) -> Task:
             "On what day of the week does {d} fall?",
         )
     ).format(d=_spoken(date, rng))
+    return _day_of_week_task(d, question, {"date": date})
+
+
+def _day_of_week_task(d: Draw, question: str, arguments: dict[str, Any]) -> Task:
+    date = arguments["date"]
     thinking = f"Find the weekday of {date} with day_of_week."
 
     def finish(result: str) -> tuple[str, str]:
         return f"{date} is a {result}.", result
 
-    return Task("day_of_week", question, "day_of_week", {"date": date}, thinking, finish)
+    return Task("day_of_week", question, "day_of_week", arguments, thinking, finish)
 
 
 # ---------------------------------------------------------------- country table
@@ -554,12 +622,16 @@ def _lookup_country(d: Draw) -> Task:
         name = d.country().name
     what = rng.choices(("capital", "population", "currency"), (45, 30, 25))[0]
     question = rng.choice(_COUNTRY_ASK[what]).format(c=name)
+    return _lookup_country_task(d, question, {"country": name, "field": what})
+
+
+def _lookup_country_task(d: Draw, question: str, arguments: dict[str, Any]) -> Task:
+    name, what = arguments["country"], arguments["field"]
     thinking = f"Look up the {what} of {name} with lookup_country."
 
     def finish(result: str) -> tuple[str, str]:
         return _COUNTRY_FINAL[what].format(c=name, r=result), result
 
-    arguments = {"country": name, "field": what}
     return Task("lookup_country", question, "lookup_country", arguments, thinking, finish)
 
 
@@ -577,6 +649,11 @@ def _string_tool(d: Draw) -> Task:
     arguments = {"operation": operation, "text": text}
     if operation == "count_letter":
         arguments["letter"] = letter
+    return _string_tool_task(d, question, arguments)
+
+
+def _string_tool_task(d: Draw, question: str, arguments: dict[str, Any]) -> Task:
+    operation, text, letter = arguments["operation"], arguments["text"], arguments.get("letter")
     thinking = f"Use string_tool with {operation} on '{text}'."
 
     def finish(result: str) -> tuple[str, str]:
@@ -745,4 +822,14 @@ GENERATORS: dict[str, Callable[[Draw], Task]] = {
     "greeting": _greeting,
     "recall": _recall,
     "writing": _writing,
+}
+# A tool task from its question and call: the analysis and the final answer around the call.
+TOOL_TASKS: dict[str, Callable[[Draw, str, dict[str, Any]], Task]] = {
+    "calculator": _calculator_task,
+    "convert_units": _convert_units_task,
+    "add_days": _add_days_task,
+    "days_between": _days_between_task,
+    "day_of_week": _day_of_week_task,
+    "lookup_country": _lookup_country_task,
+    "string_tool": _string_tool_task,
 }

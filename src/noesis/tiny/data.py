@@ -34,14 +34,19 @@ class DataConfig:
     doc_every: int = 6  # every 6th item is a plain English document
     vocab_size: int = tokenizer.VOCAB_SIZE
     chunk_items: int = 5_000
+    tokenizer_from: str | None = None  # a directory with tokenizer.json to reuse instead of fitting
 
 
 def build(out: Path, config: DataConfig, workers: int = 0) -> dict[str, object]:
     """Write tokenizer/, {split}.tokens.npy, .loss_mask.npy, .starts.npy and meta.json."""
     out.mkdir(parents=True, exist_ok=True)
     began = time.time()
-    texts = corpus.texts(config.seed, "train", config.tokenizer_items, doc_every=config.doc_every)
-    tok = tokenizer.train(texts, config.vocab_size)
+    if config.tokenizer_from:
+        tok = tokenizer.load(config.tokenizer_from)
+    else:
+        items = config.tokenizer_items
+        texts = corpus.texts(config.seed, "train", items, doc_every=config.doc_every)
+        tok = tokenizer.train(texts, config.vocab_size)
     tokenizer.save(tok, out / TOKENIZER_DIR)
     meta: dict[str, object] = {"config": asdict(config), "tokenizer_seconds": time.time() - began}
     for split, count in (("train", config.train_items), ("heldout", config.heldout_items)):
@@ -147,12 +152,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heldout-items", type=int, default=DataConfig.heldout_items)
     parser.add_argument("--tokenizer-items", type=int, default=DataConfig.tokenizer_items)
     parser.add_argument("--workers", type=int, default=0, help="0: one per CPU")
+    parser.add_argument(
+        "--tokenizer", default=None, help="reuse the tokenizer.json in this directory (no fitting)"
+    )
     args = parser.parse_args(argv)
     config = DataConfig(
         seed=args.seed,
         train_items=args.train_items,
         heldout_items=args.heldout_items,
         tokenizer_items=min(args.tokenizer_items, args.train_items),
+        tokenizer_from=args.tokenizer,
     )
     meta = build(args.out, config, args.workers)
     print(json.dumps(meta, indent=2), flush=True)

@@ -166,3 +166,72 @@ def document(rng: random.Random, names: tuple[str, ...]) -> str:
     name, place = rng.choice(names), rng.choice(PLACES)
     day = paragraph(rng, names, rng.randint(2, 4))
     return f"Dear diary, today was a good day. {day} Tomorrow {name} will go to the {place}."
+
+
+# ---------------------------------------------------------------- numbers said in words
+
+
+_ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen"
+).split()
+_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+_SCALES = ((1_000_000_000, "billion"), (1_000_000, "million"), (1000, "thousand"))
+_IRREGULAR_ORDINALS = {
+    "one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth",
+    "nine": "ninth", "twelve": "twelfth",
+}  # fmt: skip
+
+
+def number_words(value: int, conjunction: str = " and ", hyphen: str = "-") -> str:
+    """English words for an integer: 105 -> 'one hundred and five', -7 -> 'minus seven'.
+    `conjunction` joins hundreds to the rest (" " for the American 'one hundred five') and
+    `hyphen` joins tens to ones ('twenty-one', or 'twenty one' with " ")."""
+    if value < 0:
+        return "minus " + number_words(-value, conjunction, hyphen)
+    for scale, name in _SCALES:
+        if value >= scale:
+            head, rest = divmod(value, scale)
+            words = f"{number_words(head, conjunction, hyphen)} {name}"
+            if rest:
+                words += (conjunction if rest < 100 else " ") + number_words(
+                    rest, conjunction, hyphen
+                )
+            return words
+    if value >= 100:
+        head, rest = divmod(value, 100)
+        words = f"{_ONES[head]} hundred"
+        return words + (conjunction + number_words(rest, conjunction, hyphen) if rest else "")
+    if value >= 20:
+        tens, ones = divmod(value, 10)
+        return _TENS[tens] + (hyphen + _ONES[ones] if ones else "")
+    return _ONES[value]
+
+
+def ordinal_words(value: int) -> str:
+    """'first', 'twelfth', 'twenty-third', 'thirtieth'."""
+    words = number_words(value)
+    head, _, last = words.rpartition("-")
+    if last in _IRREGULAR_ORDINALS:
+        last = _IRREGULAR_ORDINALS[last]
+    else:
+        last = last[:-1] + "ieth" if last.endswith("y") else last + "th"
+    return f"{head}-{last}" if head else last
+
+
+def ordinal_suffix(value: int) -> str:
+    """'st', 'nd', 'rd' or 'th' for a day of the month."""
+    if 11 <= value % 100 <= 13:
+        return "th"
+    return {1: "st", 2: "nd", 3: "rd"}.get(value % 10, "th")
+
+
+def year_words(year: int) -> str:
+    """A year as said aloud: 1984 'nineteen eighty-four', 1905 'nineteen oh five', 2005 'two
+    thousand five', 2024 'twenty twenty-four', 1900 'nineteen hundred'."""
+    head, rest = divmod(year, 100)
+    if 2000 <= year < 2010:
+        return f"two thousand {_ONES[rest]}" if rest else "two thousand"
+    if rest == 0:
+        return f"{number_words(head)} hundred"
+    return f"{number_words(head)} {'oh ' + _ONES[rest] if rest < 10 else number_words(rest)}"

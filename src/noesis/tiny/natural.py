@@ -24,6 +24,7 @@ from typing import Any
 
 from noesis.tiny import corpus, lexicon
 from noesis.tiny.corpus import Example
+from noesis.tiny.english import number_words, ordinal_suffix, ordinal_words, year_words
 from noesis.tiny.tools import ERROR_PREFIX, TOOLS, UNITS, execute, schemas
 
 SPLIT = "natural"
@@ -119,32 +120,6 @@ class Draw:
 
 
 # ---------------------------------------------------------------- numbers in words
-
-
-_ONES = (
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-    "fifteen sixteen seventeen eighteen nineteen"
-).split()
-_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
-_SCALES = ((1_000_000_000, "billion"), (1_000_000, "million"), (1000, "thousand"))
-
-
-def number_words(value: int) -> str:
-    """English words for an integer: 105 -> 'one hundred and five', -7 -> 'minus seven'."""
-    if value < 0:
-        return "minus " + number_words(-value)
-    for scale, name in _SCALES:
-        if value >= scale:
-            head, rest = divmod(value, scale)
-            tail = "" if rest == 0 else (" and " if rest < 100 else " ") + number_words(rest)
-            return f"{number_words(head)} {name}{tail}"
-    if value >= 100:
-        head, rest = divmod(value, 100)
-        return f"{_ONES[head]} hundred" + ("" if rest == 0 else " and " + number_words(rest))
-    if value >= 20:
-        tens, ones = divmod(value, 10)
-        return _TENS[tens] + ("" if ones == 0 else "-" + _ONES[ones])
-    return _ONES[value]
 
 
 def render_number(value: float, style: str, rng: random.Random) -> str:
@@ -363,27 +338,6 @@ def _convert_units(d: Draw) -> Request:
 
 
 _MONTHS = corpus.MONTHS
-_ORDINAL_SUFFIX = {1: "st", 2: "nd", 3: "rd", 21: "st", 22: "nd", 23: "rd", 31: "st"}
-
-
-def _ordinal_words(day: int) -> str:
-    words = number_words(day)
-    irregular = {"one": "first", "two": "second", "three": "third", "five": "fifth",
-                 "eight": "eighth", "nine": "ninth", "twelve": "twelfth"}  # fmt: skip
-    head, _, last = words.rpartition("-")
-    last = irregular.get(last, last[:-1] + "ieth" if last.endswith("y") else last + "th")
-    return f"{head}-{last}" if head else last
-
-
-def _year_words(year: int) -> str:
-    """As said aloud: 1984 'nineteen eighty-four', 1905 'nineteen oh five', 2005 'two thousand
-    and five', 2024 'twenty twenty-four'."""
-    head, rest = divmod(year, 100)
-    if 2000 <= year < 2010:
-        return f"two thousand {_ONES[rest]}" if rest else "two thousand"
-    if rest == 0:
-        return f"{number_words(head)} hundred"
-    return f"{number_words(head)} {'oh ' + _ONES[rest] if rest < 10 else number_words(rest)}"
 
 
 def render_date(d: Draw, iso: str) -> str:
@@ -392,14 +346,14 @@ def render_date(d: Draw, iso: str) -> str:
     name, rng = _MONTHS[month - 1], d.rng
     if d.phrasing.numbers == "words":
         said = (
-            f"{name} {_ordinal_words(day)}"
+            f"{name} {ordinal_words(day)}"
             if rng.random() < 0.5
-            else (f"the {_ordinal_words(day)} of {name}")
+            else (f"the {ordinal_words(day)} of {name}")
         )
-        year_text = _year_words(year) if d.phrasing.name == "asr" else str(year)
+        year_text = year_words(year) if d.phrasing.name == "asr" else str(year)
         text = f"{said} {year_text}" if d.phrasing.lower else f"{said}, {year_text}"
     else:
-        suffix = _ORDINAL_SUFFIX.get(day, "th")
+        suffix = ordinal_suffix(day)
         forms = [
             f"{day} {name} {year}",
             f"{name} {day}{suffix} {year}",

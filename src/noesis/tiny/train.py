@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from noesis.ternary.bitlinear import packed_tensors, to_bitlinear
 from noesis.ternary.quant import quantization_config
@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     model_config = _sized(SIZES[config.size], vocab, config.seq_len)
     print(f"{config.size}: {count_parameters(model_config):,} parameters on {device}", flush=True)
     model = LlamaForCausalLM(model_config)
+    if args.init is not None:
+        load_initial(model, args.init)
     if config.ternary:
         to_bitlinear(model)
     model = model.to(device)
@@ -337,6 +339,25 @@ def main(argv: list[str] | None = None) -> None:
     record = summary(config, model_config, result, args.data, device)
     _write_json(args.out / "training_summary.json", record)
     print(f"wrote {args.out} in {result.seconds:.0f}s of training", flush=True)
+
+
+def load_initial(model: LlamaForCausalLM, directory: Path) -> None:
+    """Start from the float weights of an earlier run (same shape and tokenizer): fine-tuning, or
+    ternary QAT from a float model."""
+    path = directory / "model.safetensors"
+    if not path.is_file():
+        raise SystemExit(f"--init {directory}: no model.safetensors there")
+    tensors = load_file(str(path))
+    if any(name.endswith("weight_packed") for name in tensors):
+        raise SystemExit(f"--init {directory}: a packed ternary checkpoint; give a float one")
+    expected = model.state_dict()
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    wanted = {n: tuple(t.shape) for n, t in expected.items()}
+    if shapes != wanted:
+        differ = sorted(set(shapes.items()) ^ set(wanted.items()))[:4]
+        raise SystemExit(f"--init {directory}: weights do not fit this model, e.g. {differ}")
+    model.load_state_dict({n: t.float() for n, t in tensors.items()})
+    print(f"initialized from {path}", flush=True)
 
 
 def _sized(config: LlamaConfig, vocab_size: int, seq_len: int) -> LlamaConfig:
@@ -358,6 +379,9 @@ def _parser() -> argparse.ArgumentParser:
         help="corpus size when --data must be built",
     )
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--init", type=Path, default=None, help="start from this float checkpoint's weights"
+    )
     defaults = TrainConfig()
     for name in (
         "seed",
