@@ -152,6 +152,9 @@ class Mixture:
     no_tools: float = 0.06  # no developer tools at all
     history: float = 0.10  # an earlier small exchange before the question
     max_declared: int = 4
+    # Training conversations declare up to every built-in tool, as `noesis chat` and the voice do;
+    # held-out ones keep max_declared, so that split stays what it was.
+    max_declared_train: int = 7
     # Training tool questions written by noesis.tiny.paraphrase (natural voices) instead of the
     # templates; held-out examples always use the templates, so that split stays comparable.
     paraphrased: float = 0.6
@@ -169,7 +172,7 @@ def example(seed: int, split: Split, index: int, mixture: Mixture = DEFAULT_MIXT
     if split == "train" and kind in paraphrase.BUILDERS and rng.random() < mixture.paraphrased:
         task = _paraphrased(draw, kind)
     task = task or GENERATORS[kind](draw)
-    declared = _declare_tools(rng, task.tool, mixture)
+    declared = _declare_tools(rng, task.tool, mixture, split)
     messages = _instructions(rng) + _history(draw, mixture) + [user(task.question)]
     built = _answer(task, declared)
     messages += built.messages
@@ -316,15 +319,18 @@ def _missing_tool(tool: str) -> tuple[str, str]:
     return thinking, f"Sorry, I {CANNOT} {action} without the {tool} tool."
 
 
-def _declare_tools(rng: random.Random, needed: str | None, mixture: Mixture) -> list[str]:
+def _declare_tools(
+    rng: random.Random, needed: str | None, mixture: Mixture, split: Split
+) -> list[str]:
     if rng.random() < mixture.no_tools:
         return []
     others = [name for name in TOOLS if name != needed]
-    count = rng.randint(1, mixture.max_declared)
+    most = mixture.max_declared_train if split == "train" else mixture.max_declared
+    count = rng.randint(1, most)
     if needed is not None and rng.random() >= mixture.missing_tool:
-        declared = [needed] + rng.sample(others, count - 1)
+        declared = [needed] + rng.sample(others, min(count - 1, len(others)))
     else:
-        declared = rng.sample(others, count)
+        declared = rng.sample(others, min(count, len(others)))
     rng.shuffle(declared)
     return declared
 
