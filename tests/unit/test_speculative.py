@@ -49,6 +49,7 @@ def test_config_defaults_and_forms():
     (dict(method="ngram", reprobe_after=32, max_reprobe_after=16), "max_reprobe_after"),
     (dict(method="ngram", entropy_cutoff=0), "entropy_cutoff"),
     (dict(method="ngram", entropy_cutoff=float("nan")), "entropy_cutoff"),
+    (dict(method="ngram", max_batch=0), "max_batch"),
 ])
 def test_config_rejects_bad_fields_by_name(kwargs, field):
     with pytest.raises(ConfigError, match=rf"SpeculativeConfig\.{field}\b"):
@@ -474,7 +475,7 @@ def test_draft_cache_reuse_matches_a_fresh_draft(draft_model):
     rng = random.Random(0)
     histories = [[1, 577, 1339, 1155, 436, 299], [1, 350, 285]]
     cached = draft_proposer(draft_model)
-    for _ in range(6):
+    for _ in range(4):
         proposals = cached.propose(["a", "b"], histories, [4, 3])
         fresh = draft_proposer(draft_model).propose(["a", "b"], histories, [4, 3])
         assert proposals.to_lists() == fresh.to_lists()
@@ -519,43 +520,34 @@ def test_draft_must_share_the_target_vocabulary():
         DraftProposer.load(DRAFT, target_vocab_size=32000, device="cpu", dtype="float32")
 
 
-def all_logits(proposer, tokens):
-    """Logits [len, V] after every token, by one uncached prefill (the test's target)."""
-    from noesis.runner.inputs import PrefillSpan
+def test_bundled_pair_speculates_token_identically_in_the_engine():
+    """The bundled pair through the engine: greedy output with the draft speculating equals
+    plain greedy (the same engine with its speculator set aside), alone and batched, and the
+    draft is accepted most of the time. Prompt lookup on the same engine: the model repeats
+    its phrases, so some lookups are accepted, and the output is again plain greedy's."""
+    from noesis import LLM, SamplingParams
+    from noesis.speculative.speculator import Speculator
 
-    pages = proposer.allocator.allocate(proposer.allocator.pages_for(len(tokens)))
-    size = proposer.kv.page_size
-    slots = [pages[p // size] * size + p % size for p in range(len(tokens))]
-    meta = proposer._metadata(slots, [PrefillSpan(0, len(tokens), len(tokens),
-                                                  proposer._tensor(pages))], [])
-    logits = proposer._forward(proposer._tensor(tokens), list(range(len(tokens))), meta,
-                               list(range(len(tokens))))
-    proposer.allocator.free(pages)
-    return logits
+    config = SpeculativeConfig(method="draft", draft=DRAFT, k=4)
+    llm = LLM("models/noesis-tiny", device="cpu", dtype="float32", progress=False,
+              speculative=config, max_num_seqs=4, max_model_len=256)
+    tokenizer = llm.tokenizer
+    prompts = [tokenizer.encode(text) for text in
+               ("Once upon a time, the little robot", "A week has seven days. A year")]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    speculated = [llm.generate(prompts[:1], params)[0], *llm.generate(prompts, params)]
+    speculator, llm.engine.speculator = llm.engine.speculator, None
+    plain = llm.generate(prompts, params)
+    expected = [plain[0].token_ids, *(o.token_ids for o in plain)]
+    assert [o.token_ids for o in speculated] == expected
+    proposed = sum(o.spec_proposed for o in speculated)
+    assert proposed > 0 and sum(o.spec_accepted for o in speculated) / proposed > 0.5
+    assert speculator.proposer.allocator.num_free == speculator.proposer.allocator.num_pages
 
-
-def test_draft_speculation_is_token_identical_to_plain_greedy(draft_model):
-    from noesis.engine.loading import load_model
-
-    target = draft_proposer(load_model("models/noesis-tiny", "cpu", "float32", progress=False))
-    prompt = draft_model.tokenizer.encode("Once upon a time, the little robot")
-    steps = 24
-    plain = []
-    for _ in range(steps):
-        plain.append(int(all_logits(target, prompt + plain)[-1].argmax()))
-
-    drafter, control = draft_proposer(draft_model), controller()
-    output, accepted = [], 0
-    while len(output) < steps:
-        history = prompt + output
-        proposals = drafter.propose(["r"], [history], [control.depth])
-        k = proposals.proposed.shape[1]
-        guess = proposals.proposed[0].tolist()
-        logits = all_logits(target, history + guess)[len(history) - 1 :]  # [k + 1, V]
-        out = verify(logits[None], proposals.proposed, proposals.num_proposed,
-                     SamplingTensors.greedy())
-        control.record(k, int(out.num_accepted[0]))
-        accepted += int(out.num_accepted[0])
-        output += [x for x in out.token_ids[0].tolist() if x >= 0]
-    assert output[:steps] == plain
-    assert accepted > 0
+    repeating = tokenizer.encode("A square has four equal sides. A triangle has three. A square")
+    (repeated,) = llm.generate([repeating], params)
+    lookup = SpeculativeConfig(method="ngram", k=4, adaptive=False)
+    llm.engine.speculator = Speculator(lookup, NgramProposer(lookup.ngram_max, lookup.ngram_min))
+    looked_up = llm.generate([*prompts, repeating], params)
+    assert [o.token_ids for o in looked_up] == [*expected[1:], repeated.token_ids]
+    assert looked_up[-1].spec_accepted > 0

@@ -1,12 +1,22 @@
 """CudaGraphRunner: decode steps captured as CUDA graphs, one per padded batch size.
 
 It owns the buckets, the static input buffers the graphs read, the shared memory pool, and the
-capture. A step replays when every scheduled sequence decodes one token and the batch fits the
-largest bucket; everything else runs eagerly. Per step the host fills one pinned buffer, one copy
-moves it to the device, and the graph runs the whole forward including the LM head. Tokens still
-pending (sampled by the step launched just before, not read back yet) are gathered from that
-step's output on the device before the replay. Two pinned buffers take turns, so filling one
-never races the copy of the step still queued.
+capture. A graph row is one query token with its own position, slot, context length and page
+table, so a graph of R rows runs R single-token decodes, or a verify row's 1 + num_draft tokens
+as that many rows over one page table (row j attends to the context up to its own position;
+every row's key is written before any row attends). A step replays when every scheduled
+sequence decodes one token or verifies proposals, and its rows fit the largest bucket;
+everything else runs eagerly. Per step the host fills one pinned buffer, one copy moves it to
+the device, and the graph runs the whole forward including the LM head. Tokens still pending
+(sampled by the step launched just before, not read back yet) and proposals on the device are
+gathered into the ids on the device before the replay. Two pinned buffers take turns, so
+filling one never races the copy of the step still queued.
+
+A draft model replays its own graphs (`stage` then `replay_staged`): its k proposal steps are
+filled on the host at once and copied in one transfer, each replay then takes its step's rows
+and the token drafted by the step before it, on the device.
+
+Without `capture` (CPU, tests) `replay` runs the same forward eagerly over the same buffers.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from noesis.models.decoder import DecoderLM
 from noesis.models.rope import RotaryEmbedding
 from noesis.runner.inputs import AttentionMetadata
 
-COLUMNS = 5  # per-row fields of the input buffer before the page tables
+COLUMNS = 6  # per-row fields of the input buffer before the page tables
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -46,9 +56,12 @@ class CudaGraphRunner:
         self.max_pages = -(-max_model_len // kv.page_size)
         rows = self.max_batch
         # Pinned host buffers and their device twin, each field contiguous: ids [R] |
-        # positions [R] | slots [R] | lengths [R] | pending sources [R] | tables [R, max_pages].
-        size = COLUMNS * rows + rows * self.max_pages
-        self.hosts = [torch.zeros(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+        # positions [R] | slots [R] | lengths [R] | pending sources [R] | proposal sources [R] |
+        # tables [R, max_pages].
+        self.size = size = COLUMNS * rows + rows * self.max_pages
+        self.pinned = kv.device.type == "cuda"
+        self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=self.pinned)
+                      for _ in range(2)]
         self.turn = 0  # which host buffer the next step fills
         self.device_buf = torch.zeros(size, dtype=torch.int64, device=kv.device)
         self.host_fields = [self._fields(host.numpy()) for host in self.hosts]
@@ -57,6 +70,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        self.replays = 0  # forwards run through the buffers (graph replays once captured)
 
     def _fields(self, flat):
         rows = self.max_batch
@@ -65,9 +79,9 @@ class CudaGraphRunner:
         return (*columns, tables)
 
     def _forward(self, batch: int) -> torch.Tensor:
-        input_ids, positions, slots, lengths, _, tables = (f[:batch] for f in self.device_fields)
+        input_ids, positions, slots, lengths, _, _, tables = (f[:batch] for f in self.device_fields)
         meta = AttentionMetadata(self.page_size, slots, [], self.rows[:batch], tables,
-                                 lengths, self.max_model_len)
+                                 lengths, self.max_model_len, ctx_bound=True)
         cos, sin = self.rope.cos_sin(positions)
         hidden, residual = self.model(input_ids, cos, sin, self.kv.layers, meta, self.attention)
         return self.model.compute_logits(hidden, residual)  # [batch, V]
@@ -94,49 +108,108 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - start
 
     def can_replay(self, plan: StepPlan) -> bool:
-        if not self.graphs or self.rope.length_dependent:
+        if self.rope.length_dependent or plan.preempted:
             return False
-        if plan.preempted or len(plan.scheduled) > self.max_batch:
-            return False
-        return all(i.num_tokens == 1 and i.seq.num_computed > 0 and i.samples
-                   for i in plan.scheduled)
+        rows = 0
+        for item in plan.scheduled:
+            if not (item.samples and item.seq.num_computed > 0
+                    and item.num_tokens == 1 + item.num_draft):
+                return False  # a prefill (chunk): eager
+            rows += item.num_tokens
+        return rows <= self.max_batch
 
     def replay(self, plan: StepPlan, sources: list[int] | None = None,
-               previous_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [n, V] for a decode-only plan of n sequences. `sources[i]` >= 0: sequence i
-        feeds the token in row `sources[i]` of `previous_ids` (on the device)."""
-        count = len(plan.scheduled)
-        batch = next(b for b in self.buckets if b >= count)
+               previous_ids: torch.Tensor | None = None, proposals=None) -> torch.Tensor:
+        """Logits [R, V] for a plan that `can_replay`: one row per decoding sequence, 1 +
+        num_draft per verify row, in plan order. `sources[i]` >= 0: sequence i feeds the token
+        in row `sources[i]` of `previous_ids` (on the device); verify rows feed their proposals
+        from `proposals` (a speculative.StepProposals)."""
+        count = sum(item.num_tokens for item in plan.scheduled)
+        batch = self._bucket(count)
         host, fields = self.hosts[self.turn], self.host_fields[self.turn]
         self.turn ^= 1
-        ids, positions, slots, lengths, _, tables = fields
-        ps = self.page_size
-        for row, item in enumerate(plan.scheduled):
+        row = 0
+        for index, item in enumerate(plan.scheduled):
             seq = item.seq
-            pos = seq.num_computed
-            pages = seq.pages
-            ids[row] = seq.token_ids[pos] if pos < len(seq.token_ids) else 0
-            positions[row] = pos
-            slots[row] = pages[pos // ps] * ps + pos % ps
-            lengths[row] = pos + 1
-            tables[row, : len(pages)] = pages
+            for pos in range(seq.num_computed, seq.num_computed + item.num_tokens):
+                token = seq.token_ids[pos] if pos < len(seq.token_ids) else 0
+                self._fill_row(fields, row + pos - seq.num_computed, token, pos, seq.pages)
+            if sources is not None:
+                fields[4][row] = sources[index]
+            if item.num_draft:
+                self._fill_proposals(fields, row + 1, item, proposals)
+            row += item.num_tokens
         self._fill_padding(fields, count, batch)
+        self.device_buf.copy_(host, non_blocking=self.pinned)
+        ids = self.device_fields[0][:count]
         if sources is not None:
-            fields[4][:count] = sources
-        self.device_buf.copy_(host, non_blocking=True)
-        if sources is not None:
-            ops.take_pending(self.device_fields[0][:count], self.device_fields[4][:count],
-                             previous_ids)
-        self.graphs[batch].replay()
-        return self.logits[batch][:count]
+            ops.take_pending(ids, self.device_fields[4][:count], previous_ids)
+        if proposals is not None and proposals.proposals.proposed.device.type != "cpu":
+            ops.take_pending(ids, self.device_fields[5][:count],
+                             proposals.proposals.proposed.reshape(-1))
+        return self._run(batch)[:count]
+
+    def stage(self, steps: list[list[tuple[int, int, list[int]]]]) -> torch.Tensor:
+        """Several steps' rows, each (token id, position, page table), filled on the host and
+        copied to the device at once: [S, size], for `replay_staged`. Each step fits a bucket."""
+        host = torch.zeros((len(steps), self.size), dtype=torch.int64, pin_memory=self.pinned)
+        for buf, rows in zip(host, steps, strict=True):
+            fields = self._fields(buf.numpy())
+            for row, (token, pos, pages) in enumerate(rows):
+                self._fill_row(fields, row, token, pos, pages)
+            self._fill_padding(fields, len(rows), self._bucket(len(rows)))
+        # A fresh pinned buffer per call: the caching host allocator keeps it until the copy ran.
+        return host.to(self.kv.device, non_blocking=self.pinned)
+
+    def replay_staged(self, staged: torch.Tensor, step: int, count: int,
+                      feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [count, V] of staged step `step` (a copy: the next replay overwrites the
+        graph's output); `feed` [count] (device) replaces its token ids."""
+        self.device_buf.copy_(staged[step])
+        if feed is not None:
+            self.device_fields[0][:count].copy_(feed)
+        return self._run(self._bucket(count))[:count].clone()
+
+    def _run(self, batch: int) -> torch.Tensor:
+        self.replays += 1
+        if batch in self.graphs:
+            self.graphs[batch].replay()
+            return self.logits[batch]
+        return self._forward(batch)  # not captured (CPU, tests): the same forward, eager
+
+    def _bucket(self, count: int) -> int:
+        return next(b for b in self.buckets if b >= count)
+
+    def _fill_row(self, fields, row: int, token: int, pos: int, pages: list[int]) -> None:
+        ids, positions, slots, lengths, pending, drafts, tables = fields
+        ps = self.page_size
+        ids[row] = token
+        positions[row] = pos
+        slots[row] = pages[pos // ps] * ps + pos % ps
+        lengths[row] = pos + 1
+        pending[row] = drafts[row] = -1
+        tables[row, : len(pages)] = pages
+
+    @staticmethod
+    def _fill_proposals(fields, first: int, item, proposals) -> None:
+        """A verify row's proposals in rows first..first + num_draft - 1: their ids when the
+        proposals are on the host (a lookup), else their flat index for the device gather."""
+        found = proposals.proposals.proposed  # [n, k]
+        start = proposals.row_of[item.seq.seq_id] * found.shape[1]
+        rows = slice(first, first + item.num_draft)
+        if found.device.type == "cpu":
+            fields[0][rows] = found.reshape(-1)[start : start + item.num_draft].numpy()
+        else:
+            fields[5][rows] = range(start, start + item.num_draft)
 
     def _fill_padding(self, fields, start: int, stop: int) -> None:
         """Padded rows decode a dummy token into the pool's scratch page."""
-        ids, positions, slots, lengths, sources, tables = fields
+        ids, positions, slots, lengths, pending, drafts, tables = fields
         scratch = self.kv.scratch_page
         ids[start:stop] = 0
         positions[start:stop] = 0
         slots[start:stop] = scratch * self.page_size
         lengths[start:stop] = 1
-        sources[start:stop] = -1
+        pending[start:stop] = -1
+        drafts[start:stop] = -1
         tables[start:stop] = scratch

@@ -25,10 +25,13 @@ class AttentionMetadata:
     decode_rows: torch.Tensor  # [Bd] rows of single-token decodes
     decode_pages: torch.Tensor  # [Bd, max_pages] page tables, padded with page 0
     decode_ctx_lens: torch.Tensor  # [Bd]
-    max_decode_ctx: int
+    max_decode_ctx: int  # the longest decode context, or a bound on it when `ctx_bound`
     # Cache slots [Bd, max_decode_ctx] of every decode's context, built on first use by a backend
     # that gathers (the SDPA one), then shared by all layers of the step.
     decode_slots: torch.Tensor | None = None
+    # max_decode_ctx bounds the contexts without being one of them (a graph's static layout):
+    # a lone decode still needs its mask.
+    ctx_bound: bool = False
 
 
 @dataclass(slots=True)

@@ -33,6 +33,12 @@ class SpeculativeConfig:
       up to max_reprobe_after=256.
     - entropy_cutoff=3.0: the draft model stops drafting at a position whose own distribution
       has more entropy than this (nats); math.inf never stops early. Unused by "ngram".
+    - max_batch=None: no fixed limit; N: no request speculates while more than N run (a large
+      batch is compute-bound: verifying k + 1 positions per row then costs what it saves). With
+      CUDA graphs (the default on CUDA) speculation also pauses while the running sequences plus
+      their proposals exceed the largest graph (min(max_num_seqs * (k + 1), 128) rows, so at
+      k=4 beyond 25 running): an eager verify step costs ~20 graph steps on a launch-bound
+      model, and 128+ tokens per forward nears the compute-bound regime of a large one.
     """
 
     method: str
@@ -48,6 +54,7 @@ class SpeculativeConfig:
     reprobe_after: int = 16
     max_reprobe_after: int = 256
     entropy_cutoff: float = 3.0
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         self._check_method()
@@ -64,6 +71,8 @@ class SpeculativeConfig:
         _check_int("reprobe_after", self.reprobe_after, 1, 1 << 20)
         _check_int("max_reprobe_after", self.max_reprobe_after, self.reprobe_after, 1 << 20,
                    hint=" (and at least reprobe_after)")
+        if self.max_batch is not None:
+            _check_int("max_batch", self.max_batch, 1, 1 << 20)
         if not _is_number(self.entropy_cutoff) or not self.entropy_cutoff > 0:
             raise ConfigError(
                 f"SpeculativeConfig.entropy_cutoff must be a positive number of nats (math.inf "

@@ -1,6 +1,8 @@
 """DraftProposer: a small checkpoint that shares the target's tokenizer drafts each request's next
 tokens. It keeps its own paged KV cache (its own pool and page allocator), so a step feeds only
 the tokens the draft has not seen, then one decode per drafted token; no host sync while drafting.
+With `capture_graphs` (CUDA) those k steps replay the draft's own decode graphs (the feed's
+tokens as one row each), their inputs copied to the device in one transfer.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 from noesis.engine.loading import LoadedModel, load_model
 from noesis.errors import ConfigError
 from noesis.kv.allocator import PageAllocator
-from noesis.kv.cache import KVPool
+from noesis.kv.cache import KVPool, page_bytes
 from noesis.models.rope import RotaryEmbedding
+from noesis.runner.cuda_graph import CudaGraphRunner
 from noesis.runner.inputs import AttentionMetadata, PrefillSpan
 from noesis.runner.runner import default_attention
 from noesis.sampling.sampler import Penalties, SamplingTensors
@@ -29,9 +32,10 @@ class _DraftSeq:
 
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading history tokens whose keys/values the cache holds
-    # The last proposals [k] (device) and the history length they followed: all but the last
-    # were fed, so those the target accepted are already cached.
+    # The last proposals [k] (host copy of a row, ready once `drafted_ready` is) and the history
+    # length they followed: all but the last were fed, so those the target accepted are cached.
     drafted: torch.Tensor | None = None
+    drafted_ready: torch.cuda.Event | None = None
     drafted_from: int = 0
 
 
@@ -53,11 +57,22 @@ class DraftProposer:
         self.max_model_len = max_model_len
         self.entropy_cutoff = entropy_cutoff
         self._seqs: dict[object, _DraftSeq] = {}
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_graphs(self, max_batch: int, capture: bool = True) -> float:
+        """Capture the draft's decode graphs of up to `max_batch` rows; the seconds it took.
+        capture=False (CPU, tests): the same buffers, their forward run eagerly."""
+        self.graphs = CudaGraphRunner(self.model, self.kv, self.rope, self.attention, max_batch,
+                                      self.max_model_len)
+        if capture:
+            self.graphs.capture()
+        return self.graphs.capture_seconds
 
     @classmethod
     def load(cls, checkpoint: str, target_vocab_size: int, device="auto", dtype="auto",
-             **kwargs) -> DraftProposer:
-        """Load the draft checkpoint; its vocabulary must be the target's (q rows align)."""
+             kv_memory: int | None = None, **kwargs) -> DraftProposer:
+        """Load the draft checkpoint; its vocabulary must be the target's (q rows align).
+        With `kv_memory` (bytes), num_pages is capped to the pages that fit in it."""
         loaded = load_model(checkpoint, device, dtype, progress=False)
         if loaded.config.vocab_size != target_vocab_size:
             raise ConfigError(
@@ -65,6 +80,9 @@ class DraftProposer:
                 f"{loaded.config.vocab_size} tokens, the target {target_vocab_size}; the draft "
                 "must share the target's tokenizer"
             )
+        if kv_memory is not None:
+            per_page = page_bytes(loaded.config, kwargs.get("page_size", 16), loaded.dtype)
+            kwargs["num_pages"] = max(1, min(kwargs["num_pages"], kv_memory // per_page))
         return cls(loaded, **kwargs)
 
     @torch.inference_mode()
@@ -111,18 +129,56 @@ class DraftProposer:
         """k tokens per row [r, k] and their distributions [r, k, V]."""
         lengths = [len(h) for h in histories]
         drafted = torch.zeros((len(seqs), k), dtype=torch.int64, device=self.device)
+        step_logits = self._graph_steps(seqs, histories, k)
         per_position, q = [], []
         for j in range(k):
-            logits = (self._feed_history(seqs, histories) if j == 0 else  # [r, V]
-                      self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
+            logits = step_logits(j, drafted) if step_logits is not None else (  # [r, V]
+                self._feed_history(seqs, histories) if j == 0 else
+                self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
             per_position.append(logits)
             # Penalties at position j count drafted[:, :j], so _pick sees every position so far.
             token, dist = _pick(torch.stack(per_position, dim=1), drafted[:, :j], knobs, j)
             drafted[:, j] = token
             q.append(dist)
-        for seq, history, row in zip(seqs, histories, drafted, strict=True):
-            seq.num_cached, seq.drafted, seq.drafted_from = len(history), row, len(history)
+        host, ready = self._copy_to_host(drafted)
+        for row, (seq, history) in enumerate(zip(seqs, histories, strict=True)):
+            seq.num_cached, seq.drafted_from = len(history), len(history)
+            seq.drafted, seq.drafted_ready = host[row], ready
         return drafted, torch.stack(q, dim=1)
+
+    def _graph_steps(self, seqs, histories, k):
+        """step(j, drafted) -> logits [r, V] of drafting step j through the graphs, or None
+        when a step does not fit them (a new prompt's feed: then every step runs eagerly)."""
+        graphs = self.graphs
+        feed = [(tok, pos, seq.pages) for seq, history in zip(seqs, histories, strict=True)
+                for pos, tok in enumerate(history[seq.num_cached :], start=seq.num_cached)]
+        if graphs is None or max(len(feed), len(seqs)) > graphs.max_batch:
+            return None
+        last_rows, row = [], -1
+        for seq, history in zip(seqs, histories, strict=True):
+            row += len(history) - seq.num_cached
+            last_rows.append(row)
+        steps = [feed] + [[(0, len(h) + j - 1, seq.pages) for seq, h in
+                           zip(seqs, histories, strict=True)] for j in range(1, k)]
+        staged, last = graphs.stage(steps), self._tensor(last_rows)
+
+        def step(j: int, drafted: torch.Tensor) -> torch.Tensor:
+            if j == 0:
+                return graphs.replay_staged(staged, 0, len(feed))[last]
+            return graphs.replay_staged(staged, j, len(seqs), drafted[:, j - 1])
+
+        return step
+
+    def _copy_to_host(self, drafted: torch.Tensor):
+        """drafted's host copy, started without waiting, and the event that marks it done:
+        the next step reads it (after the verify step's own sync) to count the cached tokens."""
+        if self.device.type != "cuda":
+            return drafted, None
+        host = torch.empty(drafted.shape, dtype=drafted.dtype, pin_memory=True)
+        host.copy_(drafted, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def _feed_history(self, seqs, histories) -> torch.Tensor:
         """Forward each row's uncached history tokens; logits [r, V] after its last token."""
@@ -195,12 +251,14 @@ def _resync(seq: _DraftSeq, history: Sequence[int]) -> None:
     target accepted (read back here, after the verify step's own sync). At least the last
     history token is always fed again, since its logits start the draft."""
     if seq.drafted is not None:
+        if seq.drafted_ready is not None:
+            seq.drafted_ready.synchronize()  # done already: the verify step was read back
         drafted = seq.drafted.tolist()[:-1]  # the last drafted token was never fed
         accepted = history[seq.drafted_from : seq.drafted_from + len(drafted)]
         match = 0
         while match < len(accepted) and accepted[match] == drafted[match]:
             match += 1
-        seq.num_cached, seq.drafted = seq.drafted_from + match, None
+        seq.num_cached, seq.drafted, seq.drafted_ready = seq.drafted_from + match, None, None
     seq.num_cached = min(seq.num_cached, len(history) - 1)
 
 

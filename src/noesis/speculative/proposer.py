@@ -47,6 +47,15 @@ class Proposals:
         return [row[:count] for row, count in zip(rows, self.num_proposed.tolist(), strict=True)]
 
 
+@dataclass(slots=True)
+class StepProposals:
+    """One engine step's proposals, for the runner to feed and verify: rows of `proposals` and
+    the sequence each belongs to. The scheduler decides how many of a row's proposals run."""
+
+    proposals: Proposals
+    row_of: dict[int, int]  # seq_id -> row of `proposals`
+
+
 class Proposer(Protocol):
     """Guesses each request's next tokens; `release` drops a finished request's state.
 

@@ -1,0 +1,187 @@
+"""Speculator: speculative decoding's seam in the engine. Before a step it picks the sequences
+that speculate and asks the proposer; the scheduler gets their proposal counts, the runner the
+proposals; after the step it books each verify's outcome (depth controllers, counters).
+
+Which sequences speculate: a running sequence decoding its next token whose last token is on
+the host (not pending), whose controller asks for a depth above 0, and which has room for one
+more token past the proposals. Excluded, with the reason counted once per request:
+- "grammar": a constrained row would need its matcher rolled back over rejected proposals;
+- "logprobs": verify returns tokens, not the per-position logprobs a request asked for.
+No request speculates while more than `max_batch` run (when set), nor, once graphs are captured
+(`capture_graphs`), while a verify step could not replay them: the running sequences plus their
+proposals must fit the largest graph (`max_rows`). An eager verify step costs what ~20 replayed
+decode steps cost on a launch-bound model, and a step of more rows is compute-bound anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from noesis.engine.sequence import Sequence as Seq
+from noesis.engine.sequence import SequenceStatus
+from noesis.speculative.adaptive import DepthController
+from noesis.speculative.config import SpeculativeConfig
+from noesis.speculative.proposer import NgramProposer, Proposer, StepProposals
+
+if TYPE_CHECKING:
+    from noesis.engine.engine import EngineConfig
+    from noesis.engine.loading import LoadedModel
+
+# Draft model: its KV pool holds what every sequence could need, capped to this share of the
+# target's KV budget (it is the smaller model, and its cache is rebuilt from the history).
+DRAFT_KV_SHARE = 0.25
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self._controllers: dict[int, DepthController] = {}  # seq_id -> its depth controller
+        self._excluded: dict[int, str] = {}  # seq_id -> why it does not speculate
+        self._paused = False  # the running batch is over config.max_batch or max_rows
+        self.max_rows: int | None = None  # rows of the largest verify step that replays a graph
+        self.counts = {
+            "verify_rows": 0,
+            "proposed": 0,
+            "accepted": 0,
+            "excluded_grammar": 0,
+            "excluded_logprobs": 0,
+        }
+
+    @classmethod
+    def build(
+        cls, engine: EngineConfig, target: LoadedModel, max_model_len: int, kv_memory: int
+    ) -> Speculator:
+        """The configured proposer: a draft model loaded next to the target (on its device, in
+        its dtype, pages of its size), or prompt lookup. `kv_memory`: the target's KV budget."""
+        config = engine.speculative
+        if config.method == "ngram":
+            return cls(config, NgramProposer(config.ngram_max, config.ngram_min))
+        from noesis.speculative.draft import DraftProposer
+
+        wanted = engine.max_num_seqs * -(-max_model_len // engine.page_size)
+        proposer = DraftProposer.load(
+            config.draft,
+            target.config.vocab_size,
+            str(target.device),
+            str(target.dtype).removeprefix("torch."),
+            kv_memory=int(kv_memory * DRAFT_KV_SHARE),
+            num_pages=wanted,
+            page_size=engine.page_size,
+            max_model_len=max_model_len,
+            entropy_cutoff=config.entropy_cutoff,
+        )
+        return cls(config, proposer)
+
+    @property
+    def needs_knobs(self) -> bool:
+        """Whether the proposer samples (a draft model): it needs the rows' sampling tensors."""
+        return not isinstance(self.proposer, NgramProposer)
+
+    def capture_graphs(self, max_rows: int, capture: bool = True) -> float:
+        """The target captured graphs of up to `max_rows` rows: speculate only while a verify
+        step fits them, and capture a draft model's own graphs; the seconds that took."""
+        self.max_rows = max_rows
+        if isinstance(self.proposer, NgramProposer):
+            return 0.0
+        return self.proposer.capture_graphs(max_rows, capture)
+
+    def wants(self, seq: Seq) -> bool:
+        """Whether `seq` would propose at its next step (so that step waits for this one's
+        tokens on the host instead of overlapping)."""
+        return (
+            not self._paused
+            and not seq.finished
+            and self._exclusion(seq) is None
+            and self._depth(seq) > 0
+        )
+
+    def propose(
+        self, running: Sequence[Seq], knobs: Callable | None = None
+    ) -> tuple[StepProposals | None, dict[int, int]]:
+        """Proposals for the running sequences that speculate this step, and seq_id -> how
+        many each may verify (the scheduler's `num_drafts`). `knobs(seqs)` builds their
+        sampling tensors for a proposer that samples."""
+        limit = self.config.max_batch
+        self._paused = limit is not None and len(running) > limit
+        seqs = [] if self._paused else [seq for seq in running if self._ready(seq)]
+        depths = [self._depth(seq) for seq in seqs]
+        if self.max_rows is not None and len(running) + sum(depths) > self.max_rows:
+            self._paused, seqs = True, []  # the verify step would run eagerly: slower
+        if not seqs:
+            return None, {}
+        tensors = knobs(seqs) if knobs is not None and self.needs_knobs else None
+        proposals = self.proposer.propose(
+            [s.request_id for s in seqs], [s.token_ids for s in seqs], depths, tensors
+        )
+        # A lookup's counts are on the host already; a draft's stay on the device (reading
+        # them would sync), so its rows verify their full depth and mask the rest.
+        if proposals.num_proposed.device.type == "cpu":
+            depths = proposals.num_proposed.tolist()
+        row_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
+        num_drafts = {seq.seq_id: n for seq, n in zip(seqs, depths, strict=True) if n > 0}
+        return StepProposals(proposals, row_of), num_drafts
+
+    def summary(self) -> dict:
+        """The configuration and counters, with acceptance (accepted / proposed) and tokens
+        per verify row (accepted + the token after them, per row): the eval report's view."""
+        counts, rows = self.counts, self.counts["verify_rows"]
+        proposed, accepted = counts["proposed"], counts["accepted"]
+        return {
+            "method": self.config.method,
+            "draft": self.config.draft,
+            "k": self.config.k,
+            **counts,
+            "acceptance": accepted / proposed if proposed else None,
+            "tokens_per_verify": (accepted + rows) / rows if rows else None,
+        }
+
+    def record(self, seq: Seq, proposed: int, accepted: int) -> None:
+        """One sampled step of `seq`: `proposed` proposals judged (0: a plain step), `accepted`
+        of them kept."""
+        if seq.seq_id not in self._controllers:
+            return  # never eligible (excluded): no controller to feed
+        self._controllers[seq.seq_id].record(proposed, accepted)
+        if proposed:
+            seq.spec_proposed += proposed
+            seq.spec_accepted += accepted
+            self.counts["verify_rows"] += 1
+            self.counts["proposed"] += proposed
+            self.counts["accepted"] += accepted
+
+    def release(self, seq: Seq) -> None:
+        """The request ended: drop its controller and the proposer's state (a draft's pages)."""
+        self._controllers.pop(seq.seq_id, None)
+        self._excluded.pop(seq.seq_id, None)
+        self.proposer.release(seq.request_id)
+
+    def _ready(self, seq: Seq) -> bool:
+        return (
+            seq.status is SequenceStatus.RUNNING
+            and seq.num_pending == 0
+            and seq.num_computed == len(seq.token_ids) - 1
+            and len(seq.token_ids) + 1 < seq.max_len
+            and self._exclusion(seq) is None
+            and self._depth(seq) > 0
+        )
+
+    def _depth(self, seq: Seq) -> int:
+        controller = self._controllers.get(seq.seq_id)
+        if controller is None:
+            controller = self._controllers[seq.seq_id] = DepthController(self.config)
+        return controller.depth
+
+    def _exclusion(self, seq: Seq) -> str | None:
+        reason = self._excluded.get(seq.seq_id)
+        if reason is not None:
+            return reason
+        if seq.matcher is not None:
+            reason = "grammar"
+        elif seq.params.logprobs is not None:
+            reason = "logprobs"
+        else:
+            return None
+        self._excluded[seq.seq_id] = reason
+        self.counts[f"excluded_{reason}"] += 1
+        return reason
