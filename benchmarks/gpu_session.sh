@@ -38,6 +38,10 @@ for stage in $STAGES; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests) python -m pytest -m gpu tests/gpu -q -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
+    telemetry) make_8b  # noesis bench on the 8B shape: latency, throughput, telemetry overhead
+      python -m noesis.cli bench --model $MODEL8 --device cuda --dtype bfloat16 \
+        --max-model-len 4096 --batches 1,64 --overhead 1,64 --overhead-steps 128 \
+        --json "$OUT/bench_8b.json" 2>&1 | tail -12 | tee "$OUT/bench_8b.txt" ;;
     decode) python benchmarks/gpu_decode.py --shapes llama-8b --no-hf --batches 8,32,64,128 \
               --json "$OUT/decode_8b.json" 2>&1 | tail -9 | tee "$OUT/decode_8b.txt" ;;
     decode-lt) python benchmarks/gpu_decode.py --shapes llama-8b --no-hf --batches 64 \

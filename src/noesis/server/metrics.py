@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from noesis.engine.async_engine import AsyncEngine, RequestTimes
 
@@ -158,6 +158,13 @@ class _EngineCollector:
                          ("failures", "Grammars refused: invalid, unsupported or over a limit"),
                          ("timeouts", "Grammar compiles past their time limit")):
             yield CounterMetricFamily(f"noesis_grammar_{key}", doc, value=grammar.get(key, 0))
+        for key, doc in (("proposed", "Speculative decoding: proposed tokens verified"),
+                         ("accepted", "Speculative decoding: proposed tokens accepted"),
+                         ("verify_rows", "Speculative decoding: verify rows run (one per "
+                          "request per step that verified proposals)")):
+            yield CounterMetricFamily(f"noesis_spec_{key}", doc,
+                                      value=stats.speculative.get(key, 0))
+        yield from _telemetry_histograms(stats.telemetry)
         faults = self.engine.fault_counts()
         yield CounterMetricFamily(
             "noesis_isolated_steps",
@@ -174,3 +181,25 @@ class _EngineCollector:
             "Fresh engine processes started after a fault or a crash",
             value=self.engine.num_restarts,
         )
+
+
+TELEMETRY_HISTOGRAMS = {
+    "step_gpu_seconds": "Device time per engine step (CUDA events; host time on the CPU)",
+    "step_host_seconds": "Host time per engine step, less its waits for the device",
+    "batch_rows": "Sequences per engine step",
+    "spec_verify_rate": "Speculative decoding: accepted share of each verify row's proposals",
+}
+
+
+def _telemetry_histograms(snapshot: dict[str, tuple]):
+    """The engine's telemetry histograms (served with --telemetry; none without)."""
+    for name, doc in TELEMETRY_HISTOGRAMS.items():
+        if name not in snapshot:
+            continue
+        bounds, counts, total, count = snapshot[name]
+        buckets, running = [], 0
+        for bound, bucket_count in zip(bounds, counts, strict=True):
+            running += bucket_count
+            buckets.append((repr(float(bound)), running))
+        buckets.append(("+Inf", count))
+        yield HistogramMetricFamily(f"noesis_{name}", doc, buckets=buckets, sum_value=total)

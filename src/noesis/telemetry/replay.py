@@ -1,0 +1,216 @@
+"""Replay: run a trace's requests again, at the steps they came, and compare every step's batch
+and every token with the recording; the first difference is reported."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from noesis.telemetry.trace import Trace, TraceError, TraceWriter, load_trace, model_hashes
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where the replay first differs: at `step`, `request_id`'s `what` ('batch': the step's
+    composition; 'token': its output token number `index`; 'finish': how it ended)."""
+
+    what: str
+    step: int | None
+    request_id: str | None
+    index: int | None
+    expected: Any
+    got: Any
+    # 'token': the replay's logit of the recorded token minus its largest logit at that
+    # position (0: the recorded token was the top one; None: not measured, a verify row).
+    logit_gap: float | None = None
+
+    def describe(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "at the end"
+        who = f", request {self.request_id}" if self.request_id is not None else ""
+        at = f", output token {self.index}" if self.index is not None else ""
+        gap = f"; logits delta {self.logit_gap:+.4g}" if self.logit_gap is not None else ""
+        return (
+            f"first divergence ({self.what}) at {where}{who}{at}: recorded "
+            f"{self.expected!r}, replayed {self.got!r}{gap}"
+        )
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    requests: int
+    steps: int
+    tokens: int  # output tokens compared
+    divergence: Divergence | None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+
+def replay(path: str | Path, model: str | None = None, device: str | None = None) -> ReplayReport:
+    """Replay the trace at `path` (on the model and device it names, unless overridden: the
+    model must hash the same); TraceError when it cannot be replayed."""
+    trace = load_trace(path)
+    engine = _engine_for(trace, model, device)
+    try:
+        got = _run(engine, trace)
+    finally:
+        engine.close()
+    return compare(trace, got)
+
+
+def _engine_for(trace: Trace, model: str | None, device: str | None):
+    from noesis.engine.engine import Engine, EngineConfig
+    from noesis.speculative.config import SpeculativeConfig
+    from noesis.telemetry.observer import EngineObserver
+    from noesis.weights.hub import resolve_model_dir
+
+    header = trace.header
+    model_dir = resolve_model_dir(model or header["model"])
+    model_hash, tokenizer_hash = model_hashes(Path(model_dir))
+    for name, value in (("model", model_hash), ("tokenizer", tokenizer_hash)):
+        if header[f"{name}_hash"] != value:
+            raise TraceError(
+                f"the trace was recorded with {name} hash {header[f'{name}_hash'][:16]}..., "
+                f"{model_dir} has {value[:16]}...: a replay needs the same {name} files"
+            )
+    options = dict(header["engine"])
+    if options.get("speculative") is not None:
+        options["speculative"] = SpeculativeConfig(**options["speculative"])
+    options.update(
+        device=device or header["device"],
+        dtype=header["dtype"],
+        progress=False,
+        deterministic=False,
+    )
+    try:
+        config = EngineConfig(**options)
+    except TypeError as exc:
+        raise TraceError(f"the trace's engine options are not this noesis's: {exc}") from exc
+    engine = Engine(str(model_dir), config)
+    engine.observer = EngineObserver(engine, None, TraceWriter(None, {}))
+    engine.runner.signal_hooks.append(RecordedLogitGap(trace))
+    return engine
+
+
+class RecordedLogitGap:
+    """A signal hook: per row, the logit of the token the recording sampled at this position
+    minus the row's largest logit (NaN past the recording), for the divergence report."""
+
+    name = "replay_recorded_logit_gap"
+
+    def __init__(self, trace: Trace) -> None:
+        self.recorded: dict[str, list[int]] = {}
+        for event in trace.of_kind("tokens"):
+            for request_id, ids in event["out"]:
+                self.recorded.setdefault(request_id, []).extend(ids)
+
+    def __call__(self, logits, seqs) -> dict:
+        import torch
+
+        wanted = []
+        for seq in seqs:
+            ids = self.recorded.get(seq.request_id, [])
+            wanted.append(ids[seq.num_output] if seq.num_output < len(ids) else -1)
+        index = torch.tensor(wanted, device=logits.device)  # [B]
+        picked = logits.gather(1, index.clamp(min=0)[:, None])[:, 0].float()
+        gap = picked - logits.amax(dim=-1).float()
+        return {self.name: torch.where(index >= 0, gap, torch.nan)}
+
+
+def _run(engine, trace: Trace) -> list[dict[str, Any]]:
+    """Drive the engine through the trace's adds, aborts and warm-up; its own records back."""
+    from noesis.telemetry.trace import params_from_dict
+
+    observer = engine.observer
+    inputs = [e for e in trace.events if e["kind"] in ("add", "abort", "warm_up")]
+    position = 0
+    while position < len(inputs) or engine.has_unfinished():
+        # Idle engine: nothing can run before the next input, whatever step it names.
+        idle = not engine.has_unfinished()
+        while position < len(inputs) and (idle or inputs[position]["step"] <= observer.steps):
+            event = inputs[position]
+            position += 1
+            if event["kind"] == "add":
+                params = params_from_dict(event["params"])
+                engine.add_request(event["prompt"], params, event["request_id"], stream=False)
+            elif event["kind"] == "abort":
+                engine.abort(event["request_id"])
+            else:
+                engine.warm_up()
+            idle = False
+        engine.step()
+    return observer.trace.records[1:]
+
+
+def compare(trace: Trace, replayed: list[dict[str, Any]]) -> ReplayReport:
+    """The recording against a replay's records, step by step (its batch, then its tokens),
+    then each request's end."""
+    recorded = {
+        kind: {e["step"]: e for e in trace.events if e["kind"] == kind}
+        for kind in ("step", "tokens")
+    }
+    again = {
+        kind: {e["step"]: e for e in replayed if e["kind"] == kind} for kind in ("step", "tokens")
+    }
+    emitted: dict[str, int] = {}  # output tokens compared so far per request
+    requests, steps = len(trace.requests), len(recorded["step"])
+    for step in sorted(recorded["step"]):
+        want, got = recorded["step"][step]["rows"], again["step"].get(step, {}).get("rows")
+        if got != want:
+            return ReplayReport(
+                requests, step, _sum(emitted), Divergence("batch", step, None, None, want, got)
+            )
+        divergence = _compare_tokens(
+            step, recorded["tokens"].get(step, {"out": []}), again["tokens"].get(step), emitted
+        )
+        if divergence is not None:
+            return ReplayReport(requests, step, _sum(emitted), divergence)
+    ends = {e["request_id"]: e for e in replayed if e["kind"] == "finish"}
+    for want in trace.of_kind("finish"):
+        got = ends.get(want["request_id"])
+        if got is None or (got["reason"], got["token_ids"]) != (want["reason"], want["token_ids"]):
+            shown = None if got is None else [got["reason"], got["token_ids"]]
+            divergence = Divergence(
+                "finish", None, want["request_id"], None, [want["reason"], want["token_ids"]], shown
+            )
+            return ReplayReport(requests, steps, _sum(emitted), divergence)
+    return ReplayReport(requests, steps, _sum(emitted), None)
+
+
+def _compare_tokens(step: int, want: dict, got: dict | None, emitted: dict[str, int]):
+    got = got or {"out": []}
+    rows = [request_id for request_id, _ in got["out"]]
+    mine = dict(got["out"])
+    for request_id, ids in want["out"]:
+        start = emitted.get(request_id, 0)
+        theirs = mine.get(request_id)
+        if theirs != ids:
+            index = start + _first_difference(ids, theirs or [])
+            gap = None
+            if theirs is not None and index == start:  # the step's first token: the row's gap
+                gaps = got.get("signals", {}).get(RecordedLogitGap.name)
+                value = gaps[rows.index(request_id)] if gaps else None
+                gap = None if value is None or value != value else value  # NaN: none
+            return Divergence("token", step, request_id, index, ids, theirs, gap)
+        emitted[request_id] = start + len(ids)
+    return None
+
+
+def _sum(emitted: dict[str, int]) -> int:
+    return sum(emitted.values())
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
+
+
+def report_dict(report: ReplayReport) -> dict[str, Any]:
+    out = dataclasses.asdict(report)
+    out["ok"] = report.ok
+    return out
