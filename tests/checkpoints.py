@@ -26,6 +26,12 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 16}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "pad_token_id": 0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "pad_token_id": 0}),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"pad_token_id": 0}),
 }
 
 
@@ -68,6 +74,70 @@ SPECS = {
     "phi3": Spec("phi3"),
     "phi3-partial-rotary": Spec("phi3", {"partial_rotary_factor": 0.5}),
     "phi3-sliding": Spec("phi3", {"sliding_window": 8}),  # Phi-3 mini ships a 2047 window
+    # routed experts and Gemma (tests/unit/test_families_moe.py): one checkpoint per family
+    "qwen3-moe": Spec(
+        "qwen3_moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": Spec(
+        "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
+    ),
+    "gpt-oss": Spec(
+        "gpt_oss",
+        {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 4,
+            "intermediate_size": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 16.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    # soft-caps low enough to bite (50 / 30 by default moved logprobs by only ~1e-2)
+    "gemma2": Spec(
+        "gemma2",
+        {
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 10.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    "gemma3": Spec(
+        "gemma3",
+        {
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+    # short convolutions between attention layers (tests/unit/test_families_lfm2.py)
+    "lfm2": Spec(
+        "lfm2",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "conv"],
+            "conv_bias": True,
+            "block_multiple_of": 32,
+        },
+    ),
     # rope scaling kinds, all on the "llama" weights
     "llama-linear": Spec("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
     "llama-dynamic": Spec(
@@ -176,10 +246,44 @@ def build_checkpoint(
     return out
 
 
+# Attention that SDPA cannot express: transformers' SDPA path drops soft-capping without a word,
+# and before 5.2x Gemma 2 defaulted to it (5.17's reference differed from noesis by 0.027 in
+# logprobs on the GPU run), so these references always run transformers' eager attention.
+EAGER_ONLY = ("attn_logit_softcapping",)
+
+
+def build_gpt_oss_o200k(out: Path) -> Path:
+    """The tiny gpt-oss checkpoint with gpt-oss's real vocabulary: its embedding and head widened
+    to o200k_harmony's 201,088 tokens, and the tokenizer noesis builds offline (cached in `out`'s
+    parent, so a session builds it once)."""
+    from safetensors.torch import load_file, save_file
+
+    from noesis.harmony.tokenizer_file import VOCAB_SIZE, write_tokenizer
+    from noesis.harmony.vocab import NAMED_SPECIAL_TOKENS
+
+    build_checkpoint(out, "gpt_oss", **SPECS["gpt-oss"].config)
+    tensors = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(4)
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[key] = torch.randn(VOCAB_SIZE, tensors[key].shape[1], generator=gen) * 0.3
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["vocab_size"] = VOCAB_SIZE
+    config["bos_token_id"], config["eos_token_id"], config["pad_token_id"] = (
+        NAMED_SPECIAL_TOKENS[token] for token in ("<|startoftext|>", "<|return|>", "<|endoftext|>")
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    write_tokenizer(out, out.parent / "tokenizer-cache")
+    return out
+
+
 def load_reference(path: Path, dtype=torch.float32):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    config = json.loads((Path(path) / "config.json").read_text())
+    eager = any(config.get(key) is not None for key in EAGER_ONLY)
+    options = {"attn_implementation": "eager"} if eager else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
     return model.eval()
 
 

@@ -71,7 +71,11 @@ class HarmonyEncoding:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, layout: Layout = GPT_OSS) -> HarmonyEncoding:
-        """From a `tokenizers.Tokenizer` (or noesis's Tokenizer wrapping one)."""
+        """From a `tokenizers.Tokenizer` (or noesis's Tokenizer wrapping one: the vocabulary of
+        the Harmony renderer it already holds, if any, is reused)."""
+        rendering = getattr(tokenizer, "harmony", None)
+        if isinstance(rendering, HarmonyEncoding):
+            return cls(rendering.vocab, layout)
         return cls(ByteLevelVocab(getattr(tokenizer, "backend", tokenizer)), layout)
 
     @classmethod

@@ -83,7 +83,7 @@ def pipeline_stages(batch: int) -> int:
 @triton.jit(do_not_specialize=["window", "stride_tb", "stride_ob", "stride_lb", "stride_fb"])
 def _paged_decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, counters_ptr, out_ptr,
-    scale, window,
+    sinks_ptr, scale, window, softcap,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_tb,
@@ -93,6 +93,7 @@ def _paged_decode_partial(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,6 +128,8 @@ def _paged_decode_partial(
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        if HAS_SOFTCAP:  # softcap * tanh(scores / softcap), tanh(x) = 2 / (1 + e^-2x) - 1
+            scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0)
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -157,6 +160,9 @@ def _paged_decode_partial(
             tl.store(counter, 0)
             m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
             l_run = tl.zeros([GROUP_PAD], tl.float32)
+            if HAS_SINKS:  # the sink starts the merge: its logit, weight exp(0), no value
+                m_run = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+                l_run = tl.full([GROUP_PAD], 1.0, tl.float32)
             merged = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
             s = 0
             while s < num_splits:  # (a while loop: Triton's interpreter runs it too)
@@ -182,10 +188,10 @@ def _paged_decode_partial(
 
 @triton.jit(do_not_specialize=["stride_ob", "stride_lb"])
 def _paged_decode_reduce(
-    part_out_ptr, part_lse_ptr, lens_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, sinks_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    PART: tl.constexpr, PDL: tl.constexpr,
+    PART: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -199,9 +205,14 @@ def _paged_decode_reduce(
     lse = tl.load(part_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_ok,
                   other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.where(split_ok, tl.exp(lse - lse_max), 0.0)
     total = tl.sum(weights, axis=0)
+    if HAS_SINKS:  # the sink's share of the softmax, with no value
+        total += tl.exp(sink - lse_max)
     total = tl.where(total == 0.0, 1.0, total)
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
@@ -235,11 +246,14 @@ def paged_decode_attention(
     max_ctx: int,
     window: int | None = None,
     tuning: dict | None = None,
+    *,
+    sinks: torch.Tensor | None = None,  # [H]: gpt-oss's per-head logit joining each softmax
+    softcap: float | None = None,  # Gemma 2: scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns [B, H, d].
     The context is split for parallelism; the splits merge in a second kernel, or, for larger
     batches, in the same launch (the last split of each (sequence, KV head) to finish merges
-    them). `tuning` overrides the launch (partition, block_n,
+    them); a sink joins the merge. `tuning` overrides the launch (partition, block_n,
     num_warps, num_stages, fused_reduce): benchmarks only."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -256,9 +270,10 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     counters = _split_counters(q.device) if fused else part_lse  # unread when not fused
     dim_pad = triton.next_power_of_2(head_dim)
+    sinks_arg = sinks if sinks is not None else part_lse  # unread without sinks
     _paged_decode_partial[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, part_out, part_lse, counters, out,
-        scale, window or 0,
+        sinks_arg, scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -270,17 +285,18 @@ def paged_decode_attention(
         BLOCK_N=tuning.get("block_n") or min(64 if dim_pad <= 128 else 32, partition),
         PART=partition, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSED_REDUCE=fused,
+        HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None,
         num_warps=tuning.get("num_warps", 4), **_pdl(q),
         num_stages=tuning.get("num_stages") or pipeline_stages(batch),
     )
     if fused:
         return out
     _paged_decode_reduce[(batch, num_heads)](
-        part_out, part_lse, ctx_lens, out,
+        part_out, part_lse, ctx_lens, out, sinks_arg,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=triton.next_power_of_2(max_splits),
-        PART=partition, num_warps=4, **_pdl(q),
+        PART=partition, HAS_SINKS=sinks is not None, num_warps=4, **_pdl(q),
     )
     return out
 

@@ -1,16 +1,18 @@
-"""KV pool: one [2, pages, page_size, kv_heads, head_dim] tensor per layer, allocated once."""
+"""KV pool: one [2, pages, page_size, kv_heads, head_dim] tensor per attention layer, allocated
+once; short-convolution layers (LFM2) hold their fixed-size state there instead (kv/conv_state)."""
 
 from __future__ import annotations
 
 import torch
 
+from noesis.kv.conv_state import ConvStatePool
 from noesis.models.config import ModelConfig
 
 
 def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes one page takes across all layers (keys and values)."""
+    """Bytes one page takes across all attention layers (keys and values)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * page_size * config.kv_size * elem
+    return 2 * len(config.attention_layers) * page_size * config.kv_size * elem
 
 
 class KVPool:
@@ -21,6 +23,7 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_seqs: int | None = None,  # sizes the conv state (default: one slot per page)
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
@@ -28,10 +31,29 @@ class KVPool:
         # One page past the allocator's range: padded rows of captured batches write here.
         self.scratch_page = num_pages
         shape = (2, num_pages + 1, page_size, config.num_kv_heads, config.head_dim)
+        self.conv: ConvStatePool | None = None
+        conv_layers = config.conv_layers
+        if conv_layers:
+            slots = min(max_num_seqs or num_pages, num_pages)
+            self.conv = ConvStatePool(
+                len(conv_layers),
+                config.conv_kernel,
+                config.hidden_size,
+                slots,
+                num_pages,
+                dtype,
+                device,
+            )
+        conv_states = iter(self.conv.layers if self.conv is not None else ())
         self.layers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+            next(conv_states)
+            if i in conv_layers
+            else torch.zeros(shape, dtype=dtype, device=device)
+            for i in range(config.num_layers)
         ]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        tensors = [t for t in self.layers if isinstance(t, torch.Tensor)]
+        conv = self.conv.nbytes if self.conv is not None else 0
+        return sum(t.numel() * t.element_size() for t in tensors) + conv

@@ -8,7 +8,7 @@ and the limit; a well-formed feature noesis lacks is `UnsupportedModel`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from noesis.errors import InvalidModelConfig, UnsupportedModel
@@ -20,10 +20,30 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Lfm2ForCausalLM": "lfm2",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model; see CAPABILITIES
 }
+# Checkpoints that hold more than a text model: their capabilities beyond text, each with the
+# tensor-name prefixes of its weights. noesis loads the text model only (under TEXT_PREFIX) and
+# never reads the others' tensors.
+CAPABILITIES = {
+    "Gemma3ForConditionalGeneration": {"vision": ("vision_tower.", "multi_modal_projector.")},
+}
+TEXT_PREFIX = {"Gemma3ForConditionalGeneration": "language_model."}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+# Families whose layers alternate sliding-window and full attention (config.json's layer_types).
+LAYER_TYPE_FAMILIES = ("gpt_oss", "gemma2", "gemma3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+CONV_LAYER = "conv"  # LFM2: a gated short convolution in place of attention
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # Upper bounds far above every released checkpoint (the largest have a 262k vocabulary, hidden
 # 16-25k, intermediate ~74k, ~130 layers, 128 heads of 256, 10M positions). A value past one is a
@@ -41,6 +61,10 @@ LIMITS = {
     "sliding_window": (1 << 31) - 1,
     "bos_token_id": (1 << 31) - 1,
     "eos_token_id": (1 << 31) - 1,
+    "num_experts": 1 << 12,
+    "num_experts_per_tok": 1 << 6,
+    "moe_intermediate_size": 1 << 19,
+    "conv_L_cache": 1 << 6,
 }
 _REQUIRED = object()  # a field read with this default must be present
 _LIMIT = object()  # a bound read from LIMITS
@@ -65,6 +89,9 @@ class RopeConfig:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # Gemma 3: the sliding layers' own rotary (a static kind); the tables then hold both, this
+    # one's channels after the global ones.
+    local: RopeConfig | None = None
 
     @property
     def length_dependent(self) -> bool:
@@ -75,7 +102,30 @@ class RopeConfig:
         """Bytes of the float32 cos/sin tables RotaryEmbedding builds for `num_positions`
         (longrope keeps a second pair for its long factors)."""
         tables = 4 if self.rope_type == "longrope" else 2
-        return tables * num_positions * self.rotary_dim * 4
+        local = self.local.table_bytes(num_positions) if self.local is not None else 0
+        return tables * num_positions * self.rotary_dim * 4 + local
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts: how many, how wide, how tokens pick them, which layers have them."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    # "softmax_topk": softmax over all experts, then the top k (Qwen3-MoE, Mixtral), renormalized
+    # to sum 1 when `renormalize`; "topk_softmax": the top k logits, then a softmax over them
+    # (gpt-oss).
+    routing: str = "softmax_topk"
+    renormalize: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    # gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
+    # g = clamp(gate, max=limit); None: the plain silu(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (Qwen3-MoE)
+    mxfp4: bool = False  # expert weights stored as MXFP4 blocks + scales (gpt-oss releases)
 
 
 @dataclass(frozen=True)
@@ -105,6 +155,20 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer "sliding_attention" or "full_attention" where the family alternates them; empty:
+    # `sliding_window` (if any) applies to every layer.
+    layer_types: tuple[str, ...] = ()
+    moe: MoeConfig | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5
+    # LFM2: the short convolutions' kernel size (their state keeps kernel - 1 inputs per
+    # sequence; the layers are those whose layer_types entry is "conv"); 0: none.
+    conv_kernel: int = 0
+    conv_bias: bool = False
+    # What the checkpoint can do ("text", and e.g. "vision"); noesis loads "text".
+    capabilities: tuple[str, ...] = ("text",)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -115,6 +179,26 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def conv_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == CONV_LAYER)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with a KV cache: all but the short-convolution ones."""
+        return tuple(i for i in range(self.num_layers) if i not in self.conv_layers)
+
+    @property
+    def attention_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar or self.head_dim
+        return scalar**-0.5
+
+    def window(self, layer_index: int) -> int | None:
+        """The sliding window of one layer (None: full attention)."""
+        if self.layer_types and self.layer_types[layer_index] != "sliding_attention":
+            return None
+        return self.sliding_window
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Validate a parsed config.json (types, ranges, consistency), then normalize it."""
@@ -123,8 +207,13 @@ class ModelConfig:
         architecture = _architecture(cfg)
         family = ARCHITECTURES[architecture]
         cfg = {**cfg, **_object(cfg, "text_config")}
+        if family == "lfm2":
+            cfg = _lfm2_fields(cfg)
         shape = _shape(cfg)
-        rope = _rope(cfg, shape["head_dim"], shape["max_position_embeddings"])
+        params = _rope_params(cfg, family)
+        rope = _rope(cfg, params, shape["head_dim"], shape["max_position_embeddings"])
+        if family == "gemma3":
+            rope = replace(rope, local=_gemma3_local_rope(cfg, shape))
         _check_context(shape["max_position_embeddings"], rope)
         act = _str(cfg, "hidden_act", _str(cfg, "hidden_activation", "silu"))
         if act not in ACTIVATIONS:
@@ -132,7 +221,7 @@ class ModelConfig:
                 f"hidden_act {act!r} is not supported (supported: {ACTIVATIONS})"
             )
         _object(cfg, "quantization_config")  # read by models/decoder.py as a dict
-        attention_bias = _bool(cfg, "attention_bias", False)
+        attention_bias = _bool(cfg, "attention_bias", family == "gpt_oss")
         return cls(
             architecture=architecture,
             family=family,
@@ -144,12 +233,18 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias and family != "qwen2",
             mlp_bias=_bool(cfg, "mlp_bias", False),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "lfm2"),
             sliding_window=_sliding_window(cfg, family, shape["num_layers"]),
             hidden_act=act,
             torch_dtype=_str(cfg, "torch_dtype", None) or _str(cfg, "dtype", None),
             bos_token_id=_int(cfg, "bos_token_id", None, low=0),
             eos_token_ids=_eos_ids(cfg),
+            layer_types=_layer_types(cfg, family, shape["num_layers"]),
+            moe=_moe(cfg, family, shape["num_layers"]),
+            attention_sinks=family == "gpt_oss",
+            **_gemma(cfg, family, params, shape),
+            **_conv(cfg, family),
+            capabilities=("text", *CAPABILITIES.get(architecture, {})),
             raw=cfg,
         )
 
@@ -246,8 +341,154 @@ def _sliding_window(cfg: dict[str, Any], family: str, num_layers: int) -> int | 
     )
 
 
-def _rope(cfg: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
-    params = _rope_params(cfg)
+def _layer_types(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[str, ...]:
+    """Which layers slide, for the families that alternate: config.json's layer_types, or the
+    pattern transformers 4 derived (Gemma 2 and gpt-oss: every other layer from the first;
+    Gemma 3: all but every sliding_window_pattern-th)."""
+    if family == "lfm2":
+        return _lfm2_layer_types(cfg, num_layers)
+    if family not in LAYER_TYPE_FAMILIES:
+        return ()
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = 2 if family != "gemma3" else _int(
+            cfg, "sliding_window_pattern", _int(cfg, "_sliding_window_pattern", 6), high=None
+        )
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(num_layers)]
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(kind not in LAYER_TYPES for kind in types)):
+        raise InvalidModelConfig(
+            "layer_types", f"expected {num_layers} of {LAYER_TYPES}, got {_show(types)}"
+        )
+    if "sliding_attention" in types and cfg.get("sliding_window") in (None, 0):
+        raise InvalidModelConfig("sliding_window", "layer_types has sliding layers but no window")
+    return tuple(types)
+
+
+def _moe(cfg: dict[str, Any], family: str, num_layers: int) -> MoeConfig | None:
+    if family not in MOE_FAMILIES:
+        return None
+    # Qwen3-MoE's own configs say num_experts; transformers 5 writes num_local_experts for all
+    key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    num_experts = _int(cfg, key, high=LIMITS["num_experts"])
+    top_k = _int(cfg, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise InvalidModelConfig(
+            "num_experts_per_tok", f"{top_k} is above the number of experts {num_experts}"
+        )
+    if family == "qwen3_moe":
+        return MoeConfig(
+            num_experts, top_k, _int(cfg, "moe_intermediate_size"),
+            renormalize=_bool(cfg, "norm_topk_prob", False),
+            dense_layers=_qwen3_dense_layers(cfg, num_layers),
+        )
+    if family == "mixtral":
+        return MoeConfig(num_experts, top_k, _int(cfg, "intermediate_size"))
+    quant = _object(cfg, "quantization_config")
+    method = quant.get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise UnsupportedModel(f"gpt-oss with quant_method {method!r} (supported: mxfp4, none)")
+    return MoeConfig(
+        num_experts, top_k, _int(cfg, "intermediate_size"), routing="topk_softmax",
+        router_bias=True, expert_bias=True,
+        swiglu_limit=_number(cfg, "swiglu_limit", 7.0),
+        swiglu_alpha=_number(cfg, "swiglu_alpha", 1.702),
+        mxfp4=method == "mxfp4",
+    )
+
+
+def _qwen3_dense_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Layers with a dense MLP: those listed in mlp_only_layers, and all but every
+    decoder_sparse_step-th."""
+    step = _int(cfg, "decoder_sparse_step", 1, high=None)
+    listed = cfg.get("mlp_only_layers") or []
+    if not isinstance(listed, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in listed
+    ):
+        raise InvalidModelConfig("mlp_only_layers", f"expected layer numbers, got {_show(listed)}")
+    return tuple(i for i in range(num_layers) if i in listed or (i + 1) % step)
+
+
+def _gemma(cfg: dict[str, Any], family: str, params: dict[str, Any], shape: dict[str, int]):
+    """Gemma's extra switches: soft-capping and the query scale."""
+    if family not in GEMMA_FAMILIES:
+        return {}
+    return {
+        "attn_softcap": _number(cfg, "attn_logit_softcapping", None),
+        "final_softcap": _number(cfg, "final_logit_softcapping", None),
+        "query_pre_attn_scalar": _number(cfg, "query_pre_attn_scalar", None),
+    }
+
+
+def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's own spellings (block_ff_dim, norm_eps, tie_embedding) under the shared names, its
+    defaults (tied embeddings, rope theta 1e6), and its MLP width as transformers derives it:
+    2/3 of the configured one, times block_ffn_dim_multiplier, rounded up to block_multiple_of."""
+    inner = _int(cfg, "intermediate_size", None) or _int(cfg, "block_ff_dim")
+    if _bool(cfg, "block_auto_adjust_ff_dim", True):
+        inner = int(2 * inner / 3)
+        unset = "block_ffn_dim_multiplier" in cfg and cfg["block_ffn_dim_multiplier"] is None
+        if not unset:
+            inner = int(_number(cfg, "block_ffn_dim_multiplier", 1.0) * inner)
+            multiple = _int(cfg, "block_multiple_of", 256, high=None)
+            inner = multiple * -(-inner // multiple)
+    fields = {
+        "intermediate_size": inner,
+        "rms_norm_eps": _number(cfg, "norm_eps", 1e-5),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", _bool(cfg, "tie_embedding", True)),
+    }
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        fields["rope_theta"] = _number(cfg, "rope_theta", 1e6, low=1.0)
+    return {**cfg, **fields}
+
+
+def _lfm2_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """"conv" or "full_attention" per layer: layer_types, or full_attn_idxs (default: all
+    attention, as transformers does)."""
+    kinds = (CONV_LAYER, "full_attention")
+    types = cfg.get("layer_types")
+    if types is None:
+        attention = cfg.get("full_attn_idxs")
+        if attention is None:
+            attention = list(range(num_layers))
+        if not isinstance(attention, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in attention
+        ):
+            raise InvalidModelConfig(
+                "full_attn_idxs", f"expected layer numbers, got {_show(attention)}"
+            )
+        types = ["full_attention" if i in attention else CONV_LAYER for i in range(num_layers)]
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(kind not in kinds for kind in types)):
+        raise InvalidModelConfig(
+            "layer_types", f"expected {num_layers} of {kinds}, got {_show(types)}"
+        )
+    return tuple(types)
+
+
+def _conv(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """LFM2's short convolutions: kernel size and bias."""
+    if family != "lfm2":
+        return {}
+    kernel = _int(cfg, "conv_L_cache", 3, low=2)
+    return {"conv_kernel": kernel, "conv_bias": _bool(cfg, "conv_bias", False)}
+
+
+def _gemma3_local_rope(cfg: dict[str, Any], shape: dict[str, int]) -> RopeConfig:
+    """The sliding layers' rotary: rope_parameters["sliding_attention"], or in transformers 4
+    configs plain rope at rope_local_base_freq."""
+    params = _object(_object(cfg, "rope_parameters"), "sliding_attention") or {
+        "rope_type": "default",
+        "rope_theta": _number(cfg, "rope_local_base_freq", 10000.0, low=1.0),
+    }
+    local = _rope({}, params, shape["head_dim"], shape["max_position_embeddings"])
+    if local.length_dependent or local.rotary_dim != shape["head_dim"]:
+        raise UnsupportedModel("Gemma 3 with a length-dependent or partial local rotary")
+    return local
+
+
+def _rope(cfg: dict[str, Any], params: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
     rope_type = _str(params, "rope_type", _str(params, "type", "default"))
     if rope_type == "su":
         rope_type = "longrope"
@@ -287,9 +528,11 @@ def _rope(cfg: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
     return rope
 
 
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+def _rope_params(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = _object(cfg, key)
+    if family == "gemma3" and "full_attention" in params:  # per layer type: the global one here
+        params = _object(params, "full_attention")
     if any(isinstance(v, dict) for v in params.values()):
         raise UnsupportedModel("per-layer-type rope parameters are not supported")
     return params

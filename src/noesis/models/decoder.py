@@ -1,7 +1,8 @@
-"""The shared pre-norm decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) with Hugging Face names.
+"""The shared pre-norm decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, and with routed experts
+Qwen3-MoE, Mixtral, gpt-oss) with Hugging Face names.
 
-Parameters mirror the checkpoints' names except for the fused `qkv_proj` and `gate_up_proj`;
-`weights/mapping.py` declares how checkpoint tensors land in them.
+Parameters mirror the checkpoints' names except for the fused `qkv_proj` and `gate_up_proj` and
+the stacked experts; `weights/mapping.py` declares how checkpoint tensors land in them.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from torch import nn
 from noesis.kernels import ops
 from noesis.models.config import ModelConfig
 from noesis.models.layers import Attention, GatedMLP, RMSNorm, fusable_one_row
+from noesis.models.moe import SparseMoeBlock
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = GatedMLP(config)
+        self.self_attn = Attention(config, layer_index)
+        moe = config.moe
+        sparse = moe is not None and layer_index not in moe.dense_layers
+        self.mlp = SparseMoeBlock(config) if sparse else GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -41,8 +45,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        # The table comes from the checkpoint: `_weight` skips the random init, whose meta-device
+        # normal_ imports torch._dynamo (about 1.5 s in every process that loads a model).
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -24,23 +24,27 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention with q/k/v in one projection; the KV cache and kernel come from outside."""
+    """Self-attention with q/k/v in one projection; the KV cache and kernel come from outside.
+    Optional: attention sinks (gpt-oss) and soft-capped scores (Gemma 2)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int = 0, norm=None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_window
+        self.scale = config.attention_scale
+        self.sliding_window = config.window(layer_index)
+        self.softcap = config.attn_softcap
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            norm = norm or RMSNorm
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -50,7 +54,8 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = attention.rope_and_store(q, k, v, cos, sin, kv_cache, meta)
-        out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                               **self._extras())
         return ops.row_projection(out.reshape(x.shape[0], self.q_size), self.o_proj)
 
     def forward_one_row(self, stream, norm: RMSNorm, cos, sin, kv_cache, meta, attention):
@@ -63,6 +68,15 @@ class Attention(nn.Module):
         q, k, v = self._split_heads(qkv)
         out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return ops.gemv(out.reshape(1, self.q_size), self.o_proj.weight, residual=stream)
+
+    def _extras(self) -> dict:
+        """The backend's optional arguments, passed only when set."""
+        extras = {}
+        if self.sinks is not None:
+            extras["sinks"] = self.sinks
+        if self.softcap is not None:
+            extras["softcap"] = self.softcap
+        return extras
 
     def _split_heads(self, qkv: torch.Tensor):
         tokens = qkv.shape[0]
@@ -97,7 +111,9 @@ class GatedMLP(nn.Module):
 
 def fusable_one_row(config: ModelConfig, model: nn.Module) -> bool:
     """Whether the decoder's blocks can take the fused one-row path: plain bias-free linear
-    projections, no q/k norm, rotary over the whole head."""
+    projections, dense MLPs, plain attention, no q/k norm, rotary over the whole head."""
+    if config.moe is not None or config.attention_sinks or config.attn_softcap is not None:
+        return False
     linears = [m for name, m in model.named_modules()
                if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
     rotary = config.rope.rotary_dim or config.head_dim

@@ -34,6 +34,9 @@ class RotaryEmbedding:
             original = rope.original_max_position_embeddings
             long_inv_freq, _ = _inv_freq(rope, max_position_embeddings, seq_len=original + 1)
             self.long_cos, self.long_sin = self._table(long_inv_freq.to(device), positions)
+        self.local = None  # Gemma 3's sliding-layer rotary
+        if rope.local is not None:
+            self.local = RotaryEmbedding(rope.local, max_position_embeddings, max_len, device)
 
     def _table(self, inv_freq: torch.Tensor, positions: torch.Tensor):
         freqs = positions.float()[:, None] * inv_freq  # [T, dim/2]; inv_freq [dim/2] or [T, dim/2]
@@ -41,12 +44,20 @@ class RotaryEmbedding:
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
     def cos_sin(self, positions: torch.Tensor, seq_lens: list[tuple[int, ...]] | None = None):
-        """cos/sin [T, dim] for `positions` [T].
+        """cos/sin [T, dim] for `positions` [T] ([T, 2 * dim] with a local rotary: the global
+        table's channels, then the local one's).
 
         `seq_lens` lists, per sequence in batch order, (num_tokens, end) or (num_tokens, end,
         prompt_len); only length-dependent kinds read it. Without prompt_len the step's end
         stands in for it, so a whole chunk is rotated at the length it reaches.
         """
+        cos, sin = self._cos_sin(positions, seq_lens)
+        if self.local is None:
+            return cos, sin
+        local_cos, local_sin = self.local.cos_sin(positions)
+        return torch.cat((cos, local_cos), dim=-1), torch.cat((sin, local_sin), dim=-1)
+
+    def _cos_sin(self, positions: torch.Tensor, seq_lens: list[tuple[int, ...]] | None):
         if not self.length_dependent or seq_lens is None:
             return self.cos[positions], self.sin[positions]
         lengths = self._token_lengths(positions, seq_lens)  # [T]

@@ -11,47 +11,69 @@ from tqdm.auto import tqdm
 
 from noesis.errors import CheckpointMismatch
 from noesis.models.config import ModelConfig
-from noesis.weights.mapping import is_ignored, sources_for
+from noesis.weights.mapping import Source, is_ignored, sources_for
+from noesis.weights.mxfp4 import dequantize_mxfp4
 from noesis.weights.safetensors_io import checkpoint_files, iter_tensors, tensor_index
 
 MAX_NAMES = 10
 
 
-def load_weights(model: nn.Module, config: ModelConfig, model_dir: Path, progress: bool = True):
-    """Copy checkpoint tensors into `model`'s (already allocated) parameters, casting dtype."""
+def load_weights(
+    model: nn.Module, config: ModelConfig, model_dir: Path, progress: bool = True
+) -> int:
+    """Copy checkpoint tensors into `model`'s (already allocated) parameters, casting dtype.
+    Returns the bytes of checkpoint tensors read (skipped ones, e.g. a vision tower's, are
+    never touched)."""
     index = tensor_index(checkpoint_files(model_dir))
     params = dict(model.named_parameters())
-    targets = _targets(params, config)  # checkpoint key -> (param name, row offset, rows)
+    targets = _targets(params, config)  # checkpoint key -> (param name, source)
     _check_names(targets, index, config)
     _check_shapes(targets, params, index)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key in targets:
         by_file[index[key][0]].append(key)
     bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not progress)
+    halves: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)  # MXFP4 blocks / scales
+    bytes_read = 0
     with torch.no_grad():
         for path, keys in by_file.items():
             for key, tensor in iter_tensors(path, keys):
-                name, offset, rows = targets[key]
-                dest = params[name]
-                if rows is not None:
-                    dest = dest.narrow(0, offset, rows)
-                if not dest.is_floating_point() and tensor.dtype != dest.dtype:
-                    raise CheckpointMismatch(f"{key}: dtype {tensor.dtype}, model {dest.dtype}")
-                dest.copy_(tensor)
                 bar.update(1)
+                bytes_read += tensor.nbytes
+                name, source = targets[key]
+                if source.layout.startswith("mxfp4"):
+                    halves[name][source.layout] = tensor
+                    if len(halves[name]) < 2:
+                        continue
+                    pair = halves.pop(name)
+                    tensor = dequantize_mxfp4(pair["mxfp4_blocks"], pair["mxfp4_scales"])
+                _place(params[name], source, tensor, key)
     bar.close()
     for name, module in model.named_modules():
         if hasattr(module, "check_loaded"):  # modules with packed contents (ternary) check them
             module.check_loaded(name)
+    return bytes_read
+
+
+def _place(param: torch.Tensor, source: Source, tensor: torch.Tensor, key: str) -> None:
+    """Copy one checkpoint tensor (or a dequantized MXFP4 pair) into its part of `param`."""
+    dest = param if source.expert is None else param[source.expert]
+    if source.rows is not None:
+        dest = dest.narrow(0, source.offset, source.rows)
+    if not dest.is_floating_point() and tensor.dtype != dest.dtype:
+        raise CheckpointMismatch(f"{key}: dtype {tensor.dtype}, model {dest.dtype}")
+    if source.layout == "transposed":
+        tensor = tensor.transpose(-1, -2)
+    if source.interleaved:  # [E, 2I, ...] with gate, up alternating -> [gate | up]
+        tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+    dest.copy_(tensor)
 
 
 def _targets(params: dict[str, nn.Parameter], config: ModelConfig):
-    targets: dict[str, tuple[str, int, int | None]] = {}
+    targets: dict[str, tuple[str, Source]] = {}
     for name in params:
-        offset = 0
         for source in sources_for(name, config):
-            targets[source.key] = (name, offset, source.rows)
-            offset += source.rows or 0
+            targets[source.key] = (name, source)
     return targets
 
 
@@ -72,10 +94,8 @@ def _check_names(targets: dict, index: dict, config: ModelConfig) -> None:
 
 def _check_shapes(targets: dict, params: dict, index: dict) -> None:
     wrong = []
-    for key, (name, _, rows) in targets.items():
-        expected = tuple(params[name].shape)
-        if rows is not None:
-            expected = (rows, *expected[1:])
+    for key, (name, source) in targets.items():
+        expected = source.shape(tuple(params[name].shape))
         found = index[key][1]
         if found != expected:
             wrong.append(f"{key}: checkpoint {list(found)}, model expects {list(expected)}")
