@@ -4,6 +4,7 @@ detokenizer for streaming."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -42,6 +43,9 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template = None  # compiled on first use
         self._control_tokens: ControlTokens | None = None  # built on first use
+        # gpt-oss: conversations rendered by noesis.harmony (the ids openai-harmony renders)
+        # instead of a Jinja template; see render_with_harmony.
+        self.harmony: Any = None
 
     @classmethod
     def from_dir(cls, model_dir: Path, model_eos: tuple[int, ...] = ()) -> Tokenizer:
@@ -60,6 +64,27 @@ class Tokenizer:
         template = _chat_template(model_dir, config)
         eos = _eos_ids(model_dir, config, backend, model_eos)
         return cls(backend, config, template, eos)
+
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja text, as `--chat-template FILE` gives it) instead of the
+        checkpoint's own."""
+        if not isinstance(template, str) or not template.strip():
+            raise ChatTemplateError("the chat template override is empty")
+        try:
+            _jinja_env().from_string(template)
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the chat template does not compile: {exc}") from exc
+        self.chat_template = template
+        self._template = None
+        self._control_tokens = None  # which added tokens are control tokens depends on it
+        self.harmony = None  # the override wins over the Harmony renderer too
+
+    def render_with_harmony(self, encoding: Any) -> None:
+        """Render conversations with `encoding` (a noesis.harmony.HarmonyEncoding over this
+        vocabulary, gpt-oss's layout) rather than the checkpoint's template, as vLLM does for
+        gpt-oss: the prompt ids are then openai-harmony's. The template kwarg
+        `reasoning_effort` sets the system message's; other kwargs are ignored."""
+        self.harmony = encoding
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         _refuse_lone_surrogate(text, "the prompt")
@@ -80,6 +105,9 @@ class Tokenizer:
     ) -> str:
         """The rendered text. Encoding it with `encode` would turn a control-token spelling in a
         message into the control token itself: use `encode_chat` for the token ids."""
+        if self.harmony is not None:
+            encoding = _harmony_for(self.harmony, kwargs)
+            return encoding.render_chat_text(messages, tools, add_generation_prompt)
         if self.chat_template is None:
             raise ChatTemplateError(
                 "this checkpoint has no chat template (no chat_template in tokenizer_config.json "
@@ -113,6 +141,9 @@ class Tokenizer:
         literal characters. A conversation without such spellings encodes exactly as
         `encode(apply_chat_template(...), add_special_tokens=False)` does.
         """
+        if self.harmony is not None:  # strings are encoded as text piece by piece already
+            encoding = _harmony_for(self.harmony, kwargs)
+            return encoding.render_chat(messages, tools, add_generation_prompt)
         controls = self.control_tokens()
         try:
             mask = ControlMask(controls, (messages, tools, kwargs, self.chat_template or ""))
@@ -135,6 +166,18 @@ class Tokenizer:
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
         return self._template
+
+
+def _harmony_for(encoding: Any, kwargs: dict[str, Any]) -> Any:
+    """`encoding`, with the system message's reasoning effort from the template kwargs."""
+    effort = kwargs.get("reasoning_effort")
+    if effort is None:
+        return encoding
+    from noesis.harmony import HarmonyEncoding
+
+    layout = encoding.layout
+    system = dataclasses.replace(layout.system, reasoning_effort=effort)
+    return HarmonyEncoding(encoding.vocab, dataclasses.replace(layout, system=system))
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a str holds a valid pair as one character

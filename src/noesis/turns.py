@@ -1,9 +1,8 @@
 """Assistant turns for Harmony models: render the conversation, constrain sampling to a valid turn
 (free analysis, schema-valid tool arguments, a final without tool syntax), parse what came out.
 
-Used by `LLM.generate_turn` (and so `Session`) and by the server's chat endpoint with `tools` or
-`response_format`. Models without Harmony tokens get `response_format` as a grammar over the
-whole reply and no tool calls.
+Reached through noesis.dialects.TurnFormat, which sends the other families to their text dialect;
+models with neither get `response_format` as a grammar over the whole reply and no tool calls.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ def turn_params(
         if tools or tool_choice not in ("none", None):
             raise InvalidRequest(
                 "tools need a model whose chat format has tool-call syntax noesis can enforce "
-                "(Harmony special tokens); this model's tokenizer has none"
+                "(Harmony special tokens, or a dialect: --tool-dialect); this model has none"
             )
         grammar = response_format_spec(response_format) if constrained else None
         return dataclasses.replace(params, grammar=grammar)

@@ -24,12 +24,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from noesis.dialects import NO_TOOL_SYNTAX, TurnFormat, TurnOptions
 from noesis.engine.async_engine import (
     AsyncEngine,
     EngineDead,
     EngineProcess,
     EngineThread,
     setup_logging,
+    warm_up,
 )
 from noesis.engine.engine import Engine
 from noesis.errors import PromptTooLong
@@ -56,7 +58,7 @@ from noesis.server.responses import (
     full_response,
     sse_stream,
 )
-from noesis.turns import harmony_encoding, turn_params
+from noesis.turns import response_format_spec
 
 log = logging.getLogger("noesis.server")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
@@ -76,7 +78,11 @@ class ServerState:
         self.engine = AsyncEngine(backend, info.max_num_seqs + config.max_queue)
         self.metrics = Metrics(self.engine)
         self.token_text = TokenTexts(info.tokenizer)
-        self.harmony = harmony_encoding(info.tokenizer)  # None: no tool-call syntax
+        if config.chat_template is not None:
+            self.tokenizer.set_chat_template(config.chat_template)
+        # How the model writes calls and reasoning; None: plain text, no tool syntax.
+        self.turns = TurnFormat.of(info.tokenizer, config.tool_dialect)
+        self.tool_calls = self.turns is not None and self.turns.has_calls
         self.created = int(time.time())
         self.draining = False
         self.bodies = BodyParser()
@@ -154,30 +160,42 @@ class ServerState:
     # ---- generation --------------------------------------------------------------------------
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        harmony = self.harmony is not None
-        tools = body.tools if harmony and body.effective_tool_choice != "none" else None
+        tools = body.tools if self.tool_calls and body.effective_tool_choice != "none" else None
         # Only the template writes control tokens (and BOS): a message's spellings stay text.
-        return self.tokenizer.encode_chat(body.template_messages(harmony), tools)
+        return self.tokenizer.encode_chat(self._messages(body), tools, **body.template_kwargs())
 
-    def chat_turn(self, body: ChatCompletionRequest):
-        """How a chat reply is constrained and read: the turn's SamplingParams adjustment and
-        the response format. GrammarError (a 400) for bad tools / tool_choice / schemas."""
+    def chat_turn(self, body: ChatCompletionRequest, prompt: list[int]):
+        """How the reply to `prompt` is constrained and read: the turn's SamplingParams
+        adjustment and the response format. GrammarError (a 400) for bad tools / tool_choice /
+        schemas; InvalidRequest naming --tool-dialect for tools on a model without tool syntax."""
         choice = body.effective_tool_choice
         tools = body.tools if choice != "none" else None
-        messages = body.template_messages(self.harmony is not None)  # for grounded arguments
+        if self.turns is None:
+            if tools:
+                raise APIError(400, NO_TOOL_SYNTAX, "tools", "unsupported_parameter")
+            spec = response_format_spec(body.response_format)
+            return (lambda params: dataclasses.replace(params, grammar=spec)), ChatFormat
+        options = TurnOptions(
+            choice, body.response_format, body.template_messages(self.tool_calls),
+            thinking_budget=body.thinking_budget, parallel_tool_calls=body.parallel_tool_calls,
+        )  # fmt: skip
 
         def adjust(params):
-            return turn_params(params, self.harmony, tools, choice, body.response_format,
-                               messages=messages)
+            return self.turns.params(params, prompt, tools, options)
 
         adjust(SamplingParams())  # validate here, before anything is queued
-        fmt = ChatFormat if self.harmony is None else HarmonyChatFormat(self.harmony, body.n)
-        return adjust, fmt
+        return adjust, HarmonyChatFormat(self.turns, body.n, prompt)
+
+    def _messages(self, body: ChatCompletionRequest) -> list[dict]:
+        messages = body.template_messages(self.tool_calls)
+        return messages if self.turns is None else self.turns.template_messages(messages)
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         if body.prompt is not None:
             return self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        messages = template_messages(body.messages, self.harmony is not None)
+        messages = template_messages(body.messages, self.tool_calls)
+        if self.turns is not None:
+            messages = self.turns.template_messages(messages)
         return self.tokenizer.encode_chat(messages, None, body.add_generation_prompt)
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
@@ -306,8 +324,8 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.model)
     body.refuse_unsupported()
     state.check_n(body.n)
-    adjust, fmt = state.chat_turn(body)
     prompt = await _off_loop_if_long(size, state.chat_prompt, body)
+    adjust, fmt = state.chat_turn(body, prompt)
     return await state.generate(request, body, [prompt], fmt, adjust=adjust)
 
 
@@ -530,7 +548,9 @@ def serve(config: ServeConfig) -> int:
     if config.engine_process:
         backend = EngineProcess.spawn(config.model, config.engine, config.log_level)
     else:
-        backend = EngineThread(Engine(config.model, config.engine))
+        engine = Engine(config.model, config.engine)
+        warm_up(engine)  # on CUDA; logs the start-up timing buckets
+        backend = EngineThread(engine)
     try:
         app = create_app(config, backend)
     except BaseException:

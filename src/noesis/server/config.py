@@ -73,6 +73,8 @@ class ServeConfig:
     shutdown_timeout: float = 30.0  # seconds running requests get to finish on SIGTERM
     log_level: str = "info"
     engine_process: bool = True  # the engine in a child process: no GIL shared with HTTP work
+    chat_template: str | None = None  # Jinja text replacing the checkpoint's (--chat-template)
+    tool_dialect: str | None = None  # tool-call format by name (--tool-dialect; default: detected)
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_body_bytes"):

@@ -127,6 +127,12 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: Any = None
     web_search_options: Any = None
     modalities: list[str] | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # passed to the chat template
+    # Extensions (as in vLLM), through the openai client's `extra_body`:
+    chat_template_kwargs: dict[str, Any] | None = None  # enable_thinking, ... for the template
+    documents: list[Any] | None = None  # retrieval documents, for templates that show them
+    thinking_budget: int | None = Field(None, ge=0, le=COUNT_MAX)  # tokens of <think> at most
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -149,7 +155,8 @@ class ChatCompletionRequest(_SamplingFields):
         if len(self.messages) > limits.max_messages:
             raise _over_limit("messages", f"{len(self.messages)} messages", limits.max_messages,
                               "max-messages", "array_above_max_length")
-        _check_prompt_chars("messages", sum(m.text_chars() for m in self.messages), limits)
+        extra = _text_chars(self.chat_template_kwargs) + _text_chars(self.documents)
+        _check_prompt_chars("messages", sum(m.text_chars() for m in self.messages) + extra, limits)
         if self.tools is not None:
             if len(self.tools) > limits.max_tools:
                 raise _over_limit("tools", f"{len(self.tools)} tools", limits.max_tools,
@@ -177,6 +184,19 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tool_choice is not None:
             return self.tool_choice
         return "auto" if self.tools else "none"
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template reads besides messages and tools."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs))
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}",
+                           "chat_template_kwargs", "invalid_value")
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     def template_messages(self, tool_calls: bool = False) -> list[dict[str, Any]]:
         """Messages for the chat template; assistant tool calls and tool results only when the
@@ -261,6 +281,12 @@ class DetokenizeRequest(_Model):
         if limits.max_prompt_chars is not None and len(self.tokens) > limits.max_prompt_chars:
             raise _over_limit("tokens", f"{len(self.tokens)} tokens", limits.max_prompt_chars,
                               "max-prompt-chars", "array_above_max_length")
+
+
+# Set by noesis itself when it renders a template.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 def template_messages(messages: list[ChatMessage], tool_calls: bool) -> list[dict[str, Any]]:
@@ -526,7 +552,8 @@ def _template_message(index: int, message: ChatMessage, tool_calls: bool) -> dic
     param = f"messages[{index}]"
     if not tool_calls and (message.role == "tool" or message.tool_calls):
         message_text = (f"{param}: tool calls and tool results need a model whose chat format "
-                        "has tool-call syntax (Harmony); this model's has none")
+                        "has tool-call syntax (Harmony or a dialect: noesis serve "
+                        "--tool-dialect); this model's has none")
         raise APIError(400, message_text, param, "unsupported_parameter")
     role = "system" if message.role == "developer" else message.role
     content = message.content

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as json_str
 
+from noesis.dialects import TurnFormat
 from noesis.engine.outputs import RequestOutput
 from noesis.harmony.encoding import HarmonyEncoding
 from noesis.harmony.parser import ContentDelta, HarmonyStreamParser, MessageStart, parse_completion
@@ -104,18 +105,23 @@ class ChatFormat:
 
 
 class HarmonyChatFormat(ChatFormat):
-    """Chat choices of a Harmony model: the final channel is `content`, analysis is
-    `reasoning_content`, calls to functions.NAME are `tool_calls` (finish_reason "tool_calls").
-    Streams are parsed as they arrive, one parser per choice; an instance serves one call."""
+    """Chat choices of a model with a turn format (Harmony, or a text dialect whose parser emits
+    the same events): the final channel is `content`, analysis is `reasoning_content`, calls to
+    functions.NAME are `tool_calls` (finish_reason "tool_calls"). Streams are parsed as they
+    arrive, one parser per choice; an instance serves one call (of `prompt`, which tells a text
+    dialect whether the reply starts inside <think>)."""
 
-    def __init__(self, encoding: HarmonyEncoding, num_choices: int) -> None:
+    def __init__(
+        self, encoding: HarmonyEncoding | TurnFormat, num_choices: int, prompt: list[int] = ()
+    ) -> None:
         self.encoding = encoding
-        self.parsers = [HarmonyStreamParser(encoding) for _ in range(num_choices)]
+        self.prompt = list(prompt)
+        self.parsers = [self._parser() for _ in range(num_choices)]
         self.recipients: list[str | None] = [None] * num_choices  # of the open message
         self.num_calls = [0] * num_choices
 
     def choice(self, reply: Reply, index: int, out: RequestOutput) -> dict:
-        turn = parse_completion(self.encoding, out.token_ids)
+        turn = self._parse(out.token_ids)
         calls = [_call_json(c.name, c.arguments) for c in turn.tool_calls]
         message: dict = {"role": "assistant", "content": turn.final}
         if turn.analysis:
@@ -139,11 +145,23 @@ class HarmonyChatFormat(ChatFormat):
             self._fold(index, event, delta)
         logprobs = _chat_logprobs(reply, out.token_ids, out.logprobs)
         reason = _harmony_reason(out, self.num_calls[index] > 0) if out.finished else None
+        if not delta and not logprobs and reason is None:
+            return ""  # nothing to tell yet (say, half of a character)
         return (
             f'{{"index":{index},"delta":{_encoder.encode(delta)},'
             f'"logprobs":{_encoder.encode(logprobs) if logprobs else "null"},'
             f'"finish_reason":{_encoder.encode(reason)}}}'
         )
+
+    def _parser(self):
+        if isinstance(self.encoding, TurnFormat):
+            return self.encoding.stream_parser(self.prompt)
+        return HarmonyStreamParser(self.encoding)
+
+    def _parse(self, token_ids: list[int]):
+        if isinstance(self.encoding, TurnFormat):
+            return self.encoding.parse(token_ids, self.prompt)
+        return parse_completion(self.encoding, token_ids)
 
     def _fold(self, index: int, event, delta: dict) -> None:
         """One parser event into the chunk's delta."""
@@ -269,8 +287,14 @@ async def sse_stream(
         while not generation.finished:
             events = []
             for index, out in await generation.next():
-                if out.text or out.finished or (reply.logprobs_k is not None and out.token_ids):
-                    events.append(chunks.choices(fmt.delta(reply, index, out, offsets[index])))
+                # A turn parser reads every token, even one whose text is not complete yet.
+                reads = isinstance(fmt, HarmonyChatFormat) and out.token_ids
+                if out.text or out.finished or reads or (
+                    reply.logprobs_k is not None and out.token_ids
+                ):
+                    choice = fmt.delta(reply, index, out, offsets[index])
+                    if choice:
+                        events.append(chunks.choices(choice))
                     if reply.logprobs_k is not None:
                         offsets[index] += sum(len(reply.token_text(t)) for t in out.token_ids)
             if generation.finished:

@@ -168,3 +168,9 @@ def _compact(schema: dict[str, Any]) -> str:
     """The schema for %json with no optional whitespace: models trained on compact JSON (and
     random weights) would otherwise be free to emit newlines without end."""
     return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+
+
+# Shared with the text dialects' turn grammars (noesis.dialects.grammar).
+tool_schemas = _functions
+callable_tools = _callable
+compact_schema = _compact

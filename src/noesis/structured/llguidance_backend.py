@@ -455,7 +455,26 @@ def _probe(template: llguidance.LLMatcher, vocab_size: int, executor: llguidance
     executor.unsafe_compute_mask_ptr_with_draft_token(
         drafts, rows.data_ptr(), width * 4, len(rows)
     )
-    return next((copy.get_error() for copy in copies if copy.is_error()), "")
+    problem = next((copy.get_error() for copy in copies if copy.is_error()), "")
+    if _NO_ROLLBACK in problem:  # a token-budgeted rule (max_tokens): step without drafts
+        return _probe_consuming(template, tokens)
+    return problem
+
+
+_NO_ROLLBACK = "rollback not supported"
+
+
+def _probe_consuming(template: llguidance.LLMatcher, tokens: list[int]) -> str:
+    """_probe's second step for grammars that cannot roll back: consume on copies (holds the
+    GIL; such grammars are small turn grammars, not huge schemas)."""
+    for token in tokens:
+        copy = template.deep_copy()
+        copy.consume_token(token)
+        if not copy.is_error():
+            copy.compute_bitmask()
+        if copy.is_error():
+            return copy.get_error()
+    return ""
 
 
 def _probe_tokens(mask: bytes, count: int) -> list[int]:
