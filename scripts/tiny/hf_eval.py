@@ -17,6 +17,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from noesis.harmony import NOESIS_TINY, HarmonyEncoding, parse_text
 from noesis.tiny import corpus, evaluate, harmony
 
 MAX_NEW_TOKENS = 96
@@ -53,11 +54,12 @@ def main() -> None:
     draft = None
     if args.draft:
         draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    encoding = HarmonyEncoding.from_file(args.model, NOESIS_TINY)  # reads the generated text
     scores, agree, total, began = [], 0, 0, time.time()
     for i, example in enumerate(corpus.generate(args.seed, "heldout", args.n)):
         prompt = harmony.render(example.prompt_messages, example.tools, add_generation_prompt=True)
         first, first_ids = generate(model, tokenizer, prompt)
-        call = evaluate.score_call(example, first)
+        call = evaluate.score_call(example, parse_text(encoding, first))
         final_text = first
         if example.expected_tool is not None:
             before = harmony.render(example.messages_before_final, example.tools, True)
@@ -65,7 +67,7 @@ def main() -> None:
         scores.append(
             evaluate.ExampleScore(
                 example.id, example.task, example.expected_tool, call,
-                evaluate.final_correct(example, final_text), len(first_ids),
+                evaluate.final_correct(example, parse_text(encoding, final_text)), len(first_ids),
             )
         )  # fmt: skip
         if draft is not None:

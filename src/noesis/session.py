@@ -1,16 +1,24 @@
-"""Session: one conversation's tool loop. Generate a turn, run its tool calls, feed the results
-back, until a final answer, the round limit, or cancel(). Generation sits behind TurnGenerator."""
+"""Session: the one turn loop. Generate a turn, run its tool calls, feed the results back, until a
+final answer, the round limit, or cancel(). `generate` returns the whole response, `stream` yields
+it as it happens, `start` + `advance` move many conversations in lockstep (batched generations).
+Generation sits behind TurnGenerator; tools run in the ToolExecutor; an optional control policy
+(noesis.control) sets each generation's knobs and tool_choice from the model's uncertainty."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from noesis.errors import InvalidRequest, NoesisError
 from noesis.tools.executor import ToolExecutor, ToolResult
 from noesis.tools.registry import Tool, ToolRegistry
+
+if TYPE_CHECKING:
+    from noesis.control.policy import ControlPolicy
+    from noesis.control.turns import TurnControl
 
 ToolChoice = Literal["auto", "none", "required"] | dict[str, Any]
 ToolsArg = ToolRegistry | Iterable[Tool | Callable[..., Any]] | None
@@ -44,12 +52,41 @@ class AssistantTurn:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # the generator's word: "stop", "tool_calls", "length", "cancelled", ...
+    prompt_token_ids: list[int] = field(default_factory=list)  # when the generator reports them
+    token_ids: list[int] = field(default_factory=list)
+    # Per token, noesis.sampling.metrics.TokenMetrics when the params asked for them (control)
+    token_metrics: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Token ids a streamed generation produced since its previous event. A streamed turn
+    yields these and the Harmony parser events (noesis.harmony.parser) they complete."""
+
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class TurnRequest:
+    """One generation to make: the transcript so far, the declared tools, and the keyword options
+    the generator takes (noesis.LLM: params, constrained, grounded, response_format)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice
+    deterministic: bool
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 class TurnGenerator(Protocol):
     """Generates one assistant turn for a transcript; noesis.LLM implements it. It should return
     promptly (with what it has) once `cancel` is set. `deterministic` means greedy decoding with
-    a fixed seed."""
+    a fixed seed; `options` are the caller's, passed through (none unless given).
+
+    Two optional methods, used when present: `stream_turn` (same arguments; a generator yielding
+    turn events and returning the AssistantTurn) for Session.stream, and
+    `generate_turns(requests, cancel)` (a list of AssistantTurn, one per TurnRequest, batched)
+    for Session.advance."""
 
     def generate_turn(
         self,
@@ -59,6 +96,7 @@ class TurnGenerator(Protocol):
         tool_choice: ToolChoice,
         deterministic: bool,
         cancel: threading.Event,
+        **options: Any,
     ) -> AssistantTurn: ...
 
 
@@ -99,20 +137,84 @@ class SessionResponse:
     messages: list[dict[str, Any]]  # the input transcript plus this response, OpenAI-shaped
     stop_reason: str  # one of the STOP_* values
     finish_reason: str  # the last generation's own finish reason
+    turns: list[AssistantTurn] = field(default_factory=list)  # every generation, in order
 
     @property
     def cancelled(self) -> bool:
         return self.stop_reason == STOP_CANCELLED
 
 
-@dataclass
-class _Run:
-    """State of one generate() call."""
+class SessionRun:
+    """One conversation's way through the loop: the next generation to make (`request`), what a
+    generated turn means (`accept`: stop here, or these calls to run), their results (`record`).
+    Session drives it; `response` is set once it has stopped."""
 
-    transcript: list[dict[str, Any]]
-    usage: Usage = field(default_factory=Usage)
-    analyses: list[str] = field(default_factory=list)
-    executed: list[ExecutedToolCall] = field(default_factory=list)
+    def __init__(
+        self,
+        messages: list[dict[str, Any]],
+        registry: ToolRegistry,
+        executor: ToolExecutor,
+        *,
+        tool_choice: ToolChoice,
+        deterministic: bool,
+        max_tool_rounds: int,
+        options: dict[str, Any],
+        control: TurnControl | None = None,
+    ) -> None:
+        self.transcript = [dict(m) for m in messages]
+        self.control = control  # None: the request's own knobs and tool_choice
+        self.registry, self.executor = registry, executor
+        self.tool_choice, self.deterministic = tool_choice, deterministic
+        self.max_tool_rounds, self.options = max_tool_rounds, options
+        self.round = 0
+        self.usage = Usage()
+        self.analyses: list[str] = []
+        self.executed: list[ExecutedToolCall] = []
+        self.turns: list[AssistantTurn] = []
+        self.response: SessionResponse | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.response is not None
+
+    def request(self) -> TurnRequest:
+        """The next generation. A `required` or named tool_choice applies to the first only."""
+        choice = self.tool_choice if self.round == 0 else _after_first(self.tool_choice)
+        options = dict(self.options)
+        if callable(options.get("params")):
+            options["params"] = options["params"](self.round)
+        declared = self.registry.schemas() or None
+        if self.control is not None:
+            options["params"] = self.control.params(options.get("params"))
+            choice = self.control.tool_choice(choice) if declared else choice
+        return TurnRequest(list(self.transcript), declared, choice, self.deterministic, options)
+
+    def accept(self, turn: AssistantTurn, cancel: threading.Event) -> list[ToolCall]:
+        """Take a generated turn: the calls to run now, or [] when the loop stops here."""
+        assert not self.done, "accept() after the run stopped"
+        self.usage.add(turn)
+        self.turns.append(turn)
+        if self.control is not None:
+            self.control.observe_turn(turn.token_metrics, len(turn.token_ids),
+                                      bool(turn.tool_calls))  # fmt: skip
+        if turn.analysis:
+            self.analyses.append(turn.analysis)
+        stop = _stop_reason(turn, cancel, self.round, self.max_tool_rounds)
+        if stop is not None:
+            self.response = _finish(self, turn, stop)
+            return []
+        return _with_ids(turn.tool_calls, self.round)
+
+    def record(
+        self, calls: list[ToolCall], results: list[ToolResult], cancel: threading.Event
+    ) -> None:
+        """The executed calls join the transcript; the next round starts (unless cancelled)."""
+        _append_round(self, self.turns[-1], calls, results, self.round)
+        if self.control is not None:
+            self.control.observe_results(results)
+        self.round += 1
+        if cancel.is_set():
+            self.response = _finish(self, self.turns[-1], STOP_CANCELLED)
 
 
 class Session:
@@ -129,9 +231,17 @@ class Session:
         *,
         executor: ToolExecutor | None = None,
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
+        control: str | ControlPolicy | None = None,
     ) -> None:
+        """`control`: a noesis.control policy ("default", "none", or an object) steering every
+        run's generations; None (default): no control, the requests' own knobs."""
         if max_tool_rounds < 0:
             raise InvalidRequest(f"max_tool_rounds must be >= 0, got {max_tool_rounds}")
+        self.policy = None
+        if control is not None:
+            from noesis.control.policy import make_policy  # the control plane loads on demand
+
+            self.policy = make_policy(control)
         self.generator = generator
         self.executor = executor if executor is not None else ToolExecutor()
         self.max_tool_rounds = max_tool_rounds
@@ -151,58 +261,139 @@ class Session:
         tools: ToolsArg = None,
         tool_choice: ToolChoice = "auto",
         deterministic: bool = False,
+        **options: Any,
     ) -> SessionResponse:
         """Run the tool loop on a copy of `messages`. `tools`: callables, Tools or a registry.
         A `required` or named tool_choice applies to the first generation only (later ones are
-        `auto`), so that a forced call cannot loop until the round limit."""
+        `auto`), so that a forced call cannot loop until the round limit. `options` go to every
+        generate_turn call (noesis.LLM: params, constrained, grounded, response_format); a
+        callable `params` is called with the round index (0 first) for that round's."""
+        run = self.start(messages, tools, tool_choice, deterministic, **options)
+        with self._running() as cancel:
+            while not run.done:
+                self._step(run, _generate(self.generator, run.request(), cancel), cancel)
+        assert run.response is not None
+        return run.response
+
+    def stream(
+        self,
+        messages: list[dict[str, Any]],
+        tools: ToolsArg = None,
+        tool_choice: ToolChoice = "auto",
+        deterministic: bool = False,
+        **options: Any,
+    ) -> Iterator[Any]:
+        """generate(), as it happens: per generation its turn events (Tokens and Harmony parser
+        events, when the generator has `stream_turn`) then the AssistantTurn; an
+        ExecutedToolCall per tool result; the SessionResponse last. Closing the iterator stops
+        the loop and aborts the generation in flight."""
+        return self._stream(self.start(messages, tools, tool_choice, deterministic, **options))
+
+    def start(
+        self,
+        messages: list[dict[str, Any]],
+        tools: ToolsArg = None,
+        tool_choice: ToolChoice = "auto",
+        deterministic: bool = False,
+        *,
+        max_tool_rounds: int | None = None,
+        control: bool = True,
+        **options: Any,
+    ) -> SessionRun:
+        """A run of the loop over a copy of `messages`, not started: `advance` moves it (and
+        others) one generation at a time. Arguments as for generate(); `control=False` opts this
+        run out of the session's control policy."""
         registry = ToolRegistry.of(tools)
         _check_messages(messages)
         _check_tool_choice(tool_choice, registry)
-        cancel = self._start()
+        rounds = self.max_tool_rounds if max_tool_rounds is None else max_tool_rounds
+        if rounds < 0:
+            raise InvalidRequest(f"max_tool_rounds must be >= 0, got {rounds}")
+        steering = None
+        if control and self.policy is not None:
+            from noesis.control.turns import TurnControl
+
+            steering = TurnControl(self.policy)
+        return SessionRun(
+            messages, registry, self.executor.with_registry(registry), tool_choice=tool_choice,
+            deterministic=deterministic, max_tool_rounds=rounds, options=options, control=steering,
+        )  # fmt: skip
+
+    def advance(self, runs: Sequence[SessionRun]) -> None:
+        """One generation for every run not yet stopped, batched in the order given when the
+        generator has `generate_turns`, then each run's tool calls."""
+        active = [run for run in runs if not run.done]
+        if not active:
+            return
+        with self._running() as cancel:
+            turns = _generate_all(self.generator, [run.request() for run in active], cancel)
+            for run, turn in zip(active, turns, strict=True):
+                self._step(run, turn, cancel)
+
+    def _stream(self, run: SessionRun) -> Iterator[Any]:
+        with self._running() as cancel:
+            while not run.done:
+                turn = yield from _stream_turn(self.generator, run.request(), cancel)
+                yield turn
+                done_before = len(run.executed)
+                self._step(run, turn, cancel)
+                yield from run.executed[done_before:]
+            yield run.response
+
+    def _step(self, run: SessionRun, turn: AssistantTurn, cancel: threading.Event) -> None:
+        calls = run.accept(turn, cancel)
+        if not run.done:
+            run.record(calls, run.executor.run(calls, cancel), cancel)
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[threading.Event]:
+        with self._lock:
+            if self._cancel is not None:
+                raise SessionBusy("this session is already generating; use another Session")
+            self._cancel = cancel = threading.Event()
         try:
-            return self._loop(messages, registry, tool_choice, deterministic, cancel)
+            yield cancel
         finally:
             with self._lock:
                 self._cancel = None
 
-    def _start(self) -> threading.Event:
-        with self._lock:
-            if self._cancel is not None:
-                raise SessionBusy("this session is already generating; use another Session")
-            self._cancel = threading.Event()
-            return self._cancel
 
-    def _loop(
-        self,
-        messages: list[dict[str, Any]],
-        registry: ToolRegistry,
-        tool_choice: ToolChoice,
-        deterministic: bool,
-        cancel: threading.Event,
-    ) -> SessionResponse:
-        run = _Run(transcript=[dict(m) for m in messages])
-        executor = self.executor.with_registry(registry)
-        declared = registry.schemas() or None
-        for round_index in range(self.max_tool_rounds + 1):
-            choice = tool_choice if round_index == 0 else _after_first(tool_choice)
-            turn = self.generator.generate_turn(
-                list(run.transcript),
-                declared,
-                tool_choice=choice,
-                deterministic=deterministic,
-                cancel=cancel,
-            )
-            run.usage.add(turn)
-            if turn.analysis:
-                run.analyses.append(turn.analysis)
-            stop = _stop_reason(turn, cancel, round_index, self.max_tool_rounds)
-            if stop is not None:
-                return _finish(run, turn, stop)
-            calls = _with_ids(turn.tool_calls, round_index)
-            _append_round(run, turn, calls, executor.run(calls, cancel), round_index)
-            if cancel.is_set():
-                return _finish(run, turn, STOP_CANCELLED)
-        raise AssertionError("unreachable: the last round always stops")
+def _generate(generator: TurnGenerator, request: TurnRequest, cancel: threading.Event):
+    return generator.generate_turn(
+        request.messages,
+        request.tools,
+        tool_choice=request.tool_choice,
+        deterministic=request.deterministic,
+        cancel=cancel,
+        **request.options,
+    )
+
+
+def _generate_all(
+    generator: TurnGenerator, requests: list[TurnRequest], cancel: threading.Event
+) -> list[AssistantTurn]:
+    batched = getattr(generator, "generate_turns", None)
+    if batched is not None:
+        return batched(requests, cancel)
+    return [_generate(generator, request, cancel) for request in requests]
+
+
+def _stream_turn(
+    generator: TurnGenerator, request: TurnRequest, cancel: threading.Event
+) -> Generator[Any, None, AssistantTurn]:
+    stream = getattr(generator, "stream_turn", None)
+    if stream is None:
+        return _generate(generator, request, cancel)
+    return (
+        yield from stream(
+            request.messages,
+            request.tools,
+            tool_choice=request.tool_choice,
+            deterministic=request.deterministic,
+            cancel=cancel,
+            **request.options,
+        )
+    )
 
 
 def _stop_reason(
@@ -218,7 +409,7 @@ def _stop_reason(
     return None
 
 
-def _finish(run: _Run, turn: AssistantTurn, stop: str) -> SessionResponse:
+def _finish(run: SessionRun, turn: AssistantTurn, stop: str) -> SessionResponse:
     final = turn.final if stop == STOP_FINAL else None
     if final is not None:
         message: dict[str, Any] = {"role": "assistant", "content": final}
@@ -233,11 +424,12 @@ def _finish(run: _Run, turn: AssistantTurn, stop: str) -> SessionResponse:
         messages=run.transcript,
         stop_reason=stop,
         finish_reason=turn.finish_reason,
+        turns=run.turns,
     )
 
 
 def _append_round(
-    run: _Run,
+    run: SessionRun,
     turn: AssistantTurn,
     calls: list[ToolCall],
     results: list[ToolResult],
@@ -257,7 +449,7 @@ def _append_round(
         ],
     }
     if turn.analysis:
-        message["thinking"] = turn.analysis  # how noesis.tiny.harmony.render reads analysis
+        message["thinking"] = turn.analysis  # how the chat templates read analysis
     run.transcript.append(message)
     run.transcript += [result.message() for result in results]
     run.executed += [

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from noesis.harmony import parse_completion
 from noesis.structured import GrammarCompiler, GrammarError
 from noesis.structured.grounding import (
     GROUNDED,
@@ -183,20 +184,20 @@ def test_the_built_in_declarations_render_as_before(tokenizer):
 # ---------------------------------------------------------------- sampling under the grammar
 
 
-def forced_country(llm, temperature: float, seed: int, grounded: bool) -> str:
+def forced_country(llm, temperature: float, seed: int, grounded: bool, ask: str = NORWAY) -> str:
     from noesis.sampling.params import SamplingParams
     from noesis.turns import turn_params
 
-    messages = [user(NORWAY)]
+    messages = [user(ask)]
     declared = tools.schemas(["lookup_country"])
     base = SamplingParams(temperature=temperature, seed=seed, max_tokens=96)
     params = turn_params(
         base, llm.harmony, declared, LOOKUP_COUNTRY, None, messages=messages if grounded else None
     )
     (out,) = llm.generate([llm.render_chat(messages, declared)], params)
-    call = harmony.parse_completion(out.text).tool_call
-    assert call is not None and call.stop == "<|call|>", out.text
-    return json.loads(call.content)["country"]
+    turn = parse_completion(llm.harmony, out.token_ids)
+    assert turn.tool_calls and turn.messages[-1].stop == "call", out.text
+    return json.loads(turn.tool_calls[0].arguments)["country"]
 
 
 def test_the_bundled_model_forced_to_pick_a_country_picks_one_from_the_request():
@@ -206,9 +207,13 @@ def test_the_bundled_model_forced_to_pick_a_country_picks_one_from_the_request()
     countries = {forced_country(llm, 1.0, seed, grounded=True) for seed in range(4)}
     countries.add(forced_country(llm, 0.0, 0, grounded=True))
     assert {c.casefold() for c in countries} == {"norway"}, countries
-    # Without the keyword the same sampling invents names ("Noruthbrus", "Norvonstan", ...).
-    invented = [forced_country(llm, 1.0, seed, grounded=False) for seed in range(2)]
-    assert not any(c.casefold() in NORWAY.casefold() for c in invented), invented
+    # A garbled request: without the keyword the same sampling invents names ("Norweor",
+    # "Norwegeria", ...); with it, only the user's words.
+    garbled = "how many ppl live in the kingdom of norwey"
+    invented = [forced_country(llm, 1.0, seed, False, garbled) for seed in range(4)]
+    assert any(c.casefold() not in garbled for c in invented), invented
+    copied = {forced_country(llm, 1.0, seed, True, garbled) for seed in range(2)}
+    assert all(c.casefold() in garbled for c in copied), copied
 
 
 @pytest.fixture(scope="module")
@@ -264,23 +269,24 @@ def _country_written(text: str) -> str:
 
 
 def test_chat_declares_all_seven_built_in_tools_for_the_bundled_model(monkeypatch, tokenizer):
-    from noesis import cli
+    from noesis import chat, cli
+    from noesis.harmony import HarmonyEncoding
     from noesis.sampling.params import SamplingParams
-    from noesis.tiny import chat
 
     seen = {}
 
-    def run_turn(llm, history, declared, params, display, executor=None):
-        seen.update(declared=declared, grammar=params.grammar)
+    def reply(llm, history, tools, display, **options):
+        seen.update(declared=tools.schemas(), options=options)
 
-    monkeypatch.setattr(chat, "run_turn", run_turn)
+    monkeypatch.setattr(chat, "reply", reply)
     args = cli._parser().parse_args(["chat", "--model", str(MODEL_DIR)])
-    llm = type("FakeLLM", (), {"tokenizer": tokenizer})()
-    reply = cli._chat_reply(args, llm, SamplingParams(temperature=0.0))
-    reply([], "Make 'quiet please' uppercase")
+    harmony_encoding = HarmonyEncoding.from_tokenizer(tokenizer)
+    llm = type("FakeLLM", (), {"tokenizer": tokenizer, "harmony": harmony_encoding})()
+    cli._chat_reply(args, llm, SamplingParams(temperature=0.0))([], "Make 'quiet please' uppercase")
     names = [tool["function"]["name"] for tool in seen["declared"]]
     assert names == list(tools.DECLARATION_ORDER) and sorted(names) == sorted(tools.TOOLS)
-    assert '"quiet please"' in seen["grammar"].source  # the grammar was grounded in this turn
+    # Constrained and grounded (LLM.generate_turn's default): arguments copy the user's words.
+    assert seen["options"]["constrained"] is True and "grounded" not in seen["options"]
 
 
 def test_voice_declares_all_seven_built_in_tools_for_unrouted_questions():

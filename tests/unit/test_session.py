@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from noesis.errors import InvalidRequest
-from noesis.sampling.params import SamplingParams
 from noesis.session import (
     STOP_CANCELLED,
     STOP_FINAL,
@@ -23,7 +22,7 @@ from noesis.session import (
     SessionBusy,
     ToolCall,
 )
-from noesis.tiny import chat, harmony
+from noesis.tiny import harmony
 from noesis.tools import RetryPolicy, ToolError, ToolExecutor, ToolRegistry, tool
 from noesis.tools.builtin import builtin_tools
 
@@ -43,7 +42,7 @@ class Scripted:
         self.script = list(script)
         self.requests: list[dict] = []
 
-    def generate_turn(self, messages, tools, *, tool_choice, deterministic, cancel):
+    def generate_turn(self, messages, tools, *, tool_choice, deterministic, cancel, **options):
         request = {
             "messages": copy.deepcopy(messages),
             "tools": tools,
@@ -139,7 +138,7 @@ def test_tool_errors_go_back_to_the_model():
     assert contents[0] == "error: refused: no"
     assert contents[1].startswith("error: invalid arguments: a: Input should be a valid integer")
     assert "b: Field required" in contents[1]
-    assert contents[2] == "error: unknown tool 'nope' (known: explode, add)"
+    assert contents[2] == "error: tool 'nope' is not declared"
     assert response.final == " | ".join(contents)
     assert [c.result.error for c in response.tool_calls] == [
         "tool_error",
@@ -250,7 +249,7 @@ def test_no_tools_declares_none_and_a_stray_call_gets_an_error():
     generator = Scripted(turn(("add", "{}")), turn(final="sorry"))
     response = Session(generator).generate(USER)
     assert generator.requests[0]["tools"] is None
-    assert response.tool_calls[0].result.content == "error: unknown tool 'add' (known: none)"
+    assert response.tool_calls[0].result.content == "error: tool 'add' is not declared"
 
 
 def test_missing_or_repeated_ids_are_made_unique():
@@ -344,47 +343,42 @@ def test_bad_session_settings():
         Session(Scripted(), max_tool_rounds=-1)
 
 
+# ---------------------------------------------------------------- stream and lockstep runs
+
+
+def test_stream_yields_each_turn_then_results_then_the_response():
+    generator = Scripted(turn(("add", '{"a": 2, "b": 3}')), turn(final="5"))
+    events = list(Session(generator).stream(USER, tools=[add]))
+    kinds = [type(event).__name__ for event in events]
+    assert kinds == ["AssistantTurn", "ExecutedToolCall", "AssistantTurn", "SessionResponse"]
+    assert events[1].result.content == "5" and events[-1].final == "5"
+    assert events[-1].turns == [events[0], events[2]]
+
+
+def test_advance_moves_runs_in_lockstep_batches_with_per_round_options():
+    batches = []
+
+    class Batched(Scripted):
+        def generate_turns(self, requests, cancel):
+            batches.append([(len(r.messages), r.options["params"]) for r in requests])
+            return [turn(final="done") if len(r.messages) > 2 else
+                    turn(("add", '{"a": 1, "b": 1}')) for r in requests]  # fmt: skip
+
+    session = Session(Batched(), max_tool_rounds=2)
+    runs = [session.start(USER, [add], params=lambda index: f"round {index}") for _ in range(2)]
+    single = session.start(USER[1:], [add], max_tool_rounds=0, params="fixed")
+    session.advance(runs)
+    session.advance([single, *runs])
+    assert batches == [[(2, "round 0")] * 2, [(1, "fixed"), (4, "round 1"), (4, "round 1")]]
+    assert all(run.done for run in [*runs, single])
+    assert [run.response.stop_reason for run in runs] == [STOP_FINAL, STOP_FINAL]
+    assert single.response.stop_reason == STOP_MAX_TOOL_ROUNDS and not single.executed
+    assert runs[0].response.usage.completion_tokens == 10
+
+
 # ---------------------------------------------------------------- with the bundled model
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
-
-
-class TinyGenerator:
-    """A TurnGenerator over noesis.LLM and the Harmony stream parser, as LLM.generate_turn could
-    be: render, stream until a closing token (stopping early on cancel), split the channels."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-
-    def generate_turn(self, messages, tools, *, tool_choice, deterministic, cancel):
-        prompt = self.llm.render_chat(messages, tools)
-        params = SamplingParams(
-            temperature=0.0 if deterministic else 0.8,
-            seed=0 if deterministic else None,
-            max_tokens=160,
-            skip_special_tokens=False,
-            stop=(chat.RUN_ON_STOP,),
-        )
-        text, stream = "", self.llm.stream(prompt, params)
-        for delta in stream:
-            text += delta
-            if cancel.is_set():
-                stream.close()  # aborts the request in the engine
-                break
-        analysis, calls, final = [], [], None
-        for segment in chat.parse_stream(text):
-            name = None if isinstance(segment, chat.Unparsed) else chat.function_name(segment)
-            if name is not None:
-                calls.append(ToolCall(f"call_{len(calls)}", name, segment.content))
-            elif not isinstance(segment, chat.Unparsed) and segment.channel == "analysis":
-                analysis.append(segment.content)
-            elif not isinstance(segment, chat.Unparsed) and segment.channel == "final":
-                final = segment.content
-        completion_tokens = len(self.llm.tokenizer.encode(text, add_special_tokens=False))
-        reason = "cancelled" if cancel.is_set() else "tool_calls" if calls else "stop"
-        return AssistantTurn(
-            "\n".join(analysis), calls, final, len(prompt), completion_tokens, reason
-        )
 
 
 @pytest.mark.skipif(not TINY.is_dir(), reason="models/noesis-tiny not present")
@@ -392,9 +386,9 @@ def test_bundled_model_answers_through_the_session_with_its_calculator():
     from noesis.llm import LLM
 
     llm = LLM(str(TINY), device="cpu", dtype="float32", progress=False)
-    tools = builtin_tools(chat.DEFAULT_TOOLS)
+    tools = builtin_tools(["calculator", "convert_units", "day_of_week", "lookup_country"])
     question = [{"role": "user", "content": "What is 17*23?"}]
-    response = Session(TinyGenerator(llm)).generate(question, tools=tools, deterministic=True)
+    response = llm.session().generate(question, tools=tools, deterministic=True)
     assert response.stop_reason == STOP_FINAL
     assert [(c.name, c.result.content) for c in response.tool_calls] == [("calculator", "391")]
     assert "391" in response.final

@@ -1,141 +1,118 @@
-"""Harmony chat (noesis.tiny.chat): the lenient parser, the channel display, and the tool loop with
-the bundled model through the engine and the `noesis chat` command."""
+"""`noesis chat` for Harmony models (noesis.chat): the channel display over Session.stream's events,
+the tool loop on scripted turns, and with the bundled model through the engine and the command."""
 
 import io
+import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from noesis import LLM, SamplingParams
+from noesis import LLM, SamplingParams, chat
 from noesis.cli import main
 from noesis.errors import InvalidRequest
-from noesis.tiny import chat
-from noesis.tiny.harmony import ParsedMessage
+from noesis.harmony import NOESIS_TINY, HarmonyEncoding, HarmonyStreamParser, ParsedTurn
+from noesis.harmony.parser import spelled_ids
+from noesis.session import AssistantTurn, ToolCall
 
 TARGET = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
 needs_model = pytest.mark.skipif(not TARGET.is_dir(), reason="models/noesis-tiny not present")
 
 ANALYSIS = "<|channel|>analysis<|message|>Use the calculator.<|end|>"
-A = "analysis:Use the calculator."
 CALL = (
     "<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json"
     '<|message|>{"expression":"2+2"}<|call|>'
 )
-FINAL = "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
+FINAL = "<|channel|>final<|message|>It is 4.<|return|>"
 
 
-def _kinds(segments) -> list[str]:
-    return [
-        f"unparsed:{s.text}" if isinstance(s, chat.Unparsed) else f"{s.channel}:{s.content}"
-        for s in segments
+@pytest.fixture(scope="module")
+def encoding() -> HarmonyEncoding:
+    return HarmonyEncoding.from_file(TARGET, NOESIS_TINY)
+
+
+class Scripted:
+    """A TurnGenerator streaming scripted Harmony text through the one parser, a turn per text."""
+
+    def __init__(self, encoding: HarmonyEncoding, texts: list[str]) -> None:
+        self.encoding, self.texts, self.seen = encoding, iter(texts), []
+
+    def generate_turn(self, messages, tools, **options):
+        raise AssertionError("the chat streams its turns")
+
+    def stream_turn(self, messages, tools, *, tool_choice, deterministic, cancel, **options):
+        self.seen.append((list(messages), tools, options))
+        ids = spelled_ids(self.encoding, next(self.texts))
+        parser, parsed = HarmonyStreamParser(self.encoding), ParsedTurn()
+        for event in [*parser.feed_all(ids), *parser.finish()]:
+            parsed.add(event)
+            yield event
+        calls = [ToolCall("", c.name, c.arguments) for c in parsed.tool_calls]
+        return AssistantTurn(parsed.analysis, calls, parsed.final, 1, len(ids), "stop")
+
+
+def _reply(encoding, texts, tools="builtin", **options):
+    llm, out = Scripted(encoding, texts), io.StringIO()
+    history = [{"role": "user", "content": "What is 2+2?"}]
+    final = chat.reply(
+        llm, history, chat.tool_registry(tools), chat.Display(out, color=False), **options
+    )
+    return final, out.getvalue().splitlines(), history, llm
+
+
+def test_a_call_runs_and_its_result_goes_back(encoding):
+    final, lines, history, llm = _reply(encoding, [ANALYSIS + CALL, FINAL], params=SamplingParams())
+    assert final == "It is 4."
+    assert lines == [
+        "analysis    Use the calculator.",
+        'tool call   calculator {"expression":"2+2"}',
+        "tool result 4",
+        "final       It is 4.",
     ]
-
-
-def test_parses_analysis_call_and_final():
-    segments = chat.parse_stream(ANALYSIS + CALL + FINAL)
-    assert _kinds(segments) == [
-        "analysis:Use the calculator.",
-        'commentary:{"expression":"2+2"}',
-        "final:It is 4.",
-    ]
-    assert [s.stop for s in segments] == ["<|end|>", "<|call|>", "<|return|>"]
-    assert chat.function_name(segments[1]) == "calculator"
-    assert segments[1].constrain == "json"
-    call = ("Use the calculator.", "calculator", '{"expression":"2+2"}')
-    assert chat.next_action(segments) == call
-    assert chat.next_action(chat.parse_stream(ANALYSIS + FINAL)) == "It is 4."
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant"]
+    assert history[2]["content"] == "4" and all("thinking" not in m for m in history)
+    second_prompt = llm.seen[1][0]
+    assert second_prompt[1]["thinking"] == "Use the calculator."  # analysis of this turn kept
+    assert [t["function"]["name"] for t in llm.seen[0][1]] == list(chat.DEFAULT_TOOLS)
+    assert llm.seen[0][2] == {"params": SamplingParams()}
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"),
+    ("texts", "tools", "last"),
     [
-        ("", []),
-        ("no harmony at all", ["unparsed:no harmony at all"]),
-        ("<|channel|>final<|message|>cut", ["final:cut"]),
-        (ANALYSIS + "junk" + FINAL, [A, "unparsed:junk", "final:It is 4."]),
-        (ANALYSIS + "<|start|>assistant<|chan", [A, "unparsed:<|start|>assistant<|chan"]),
-        ("<|start|><|start|><|message|><|end|>", ["unparsed:<|start|>", ":"]),
-        ("<|message|><|message|>x<|call|><|return|>", [":<|message|>x", "unparsed:<|return|>"]),
+        ([CALL] * 4, "builtin", "stopped     4 generations without a final answer"),
+        ([ANALYSIS], "builtin", "stopped     no final answer in the model's output"),
+        ([CALL], "none", "stopped     the model called a tool, but no tools are declared"),
     ],
-)  # fmt: skip
-def test_malformed_output_is_kept_not_raised(text, expected):
-    segments = chat.parse_stream(text)
-    assert _kinds(segments) == expected
+)
+def test_the_loop_stops_with_a_clear_line(encoding, texts, tools, last):
+    final, lines, history, _ = _reply(encoding, texts, tools)
+    assert final is None and lines[-1] == last
+
+
+def test_malformed_and_cut_off_output_is_shown_not_raised(encoding):
+    text = "stray<|start|>assistant<|channel|>final<|message|>It is"
+    final, lines, _, _ = _reply(encoding, [text])
+    assert lines[0].startswith("unparsed    ") and "stray" in lines[0]
+    assert lines[-1] == "final       It is [cut off]" and final == "It is"
+
+
+def test_display_labels_and_dims_analysis_on_a_terminal(encoding):
     out = io.StringIO()
-    display = chat.Display(out, color=False)
-    for segment in segments:
-        display.segment(segment)
-    assert out.getvalue().count("\n") == len(segments)
+    display = chat.Display(out, color=True)
+    parser = HarmonyStreamParser(encoding)
+    for event in parser.feed_all(spelled_ids(encoding, ANALYSIS + CALL)):
+        display.event(event)
+    first, second = out.getvalue().splitlines()
+    assert first == "\033[1manalysis    \033[22m\033[2mUse the calculator.\033[22m"
+    assert second.endswith('calculator {"expression":"2+2"}')
 
 
-def test_display_labels_and_dims_analysis_on_a_terminal():
-    segments = chat.parse_stream(ANALYSIS + CALL + FINAL[:-10])  # the final is cut off
-    plain, colored = io.StringIO(), io.StringIO()
-    for out, color in ((plain, False), (colored, True)):
-        display = chat.Display(out, color=color)
-        for segment in segments:
-            display.segment(segment)
-        display.line("tool result", "4")
-    assert plain.getvalue().splitlines() == [
-        "analysis    Use the calculator.",
-        'tool call   calculator {"expression":"2+2"}',
-        "final       It is 4. [cut off]",
-        "tool result 4",
-    ]
-    assert "\033[2mUse the calculator.\033[22m" in colored.getvalue()
-    assert "\033[2m" not in plain.getvalue()
-
-
-def test_segments_are_shown_as_soon_as_complete():
-    text = ANALYSIS + CALL
-    deltas = [text[i : i + 7] for i in range(0, len(text), 7)]
-    shown: list[tuple[int, ParsedMessage]] = []
-    delivered = []
-
-    def stream(prompt, params):
-        assert params.skip_special_tokens is False and chat.RUN_ON_STOP in params.stop
-        for delta in deltas:
-            delivered.append(delta)
-            yield delta
-
-    llm = SimpleNamespace(stream=stream)
-    segments = chat.stream_segments(
-        llm, [1], SamplingParams(), lambda s: shown.append((len(delivered), s))
-    )
-    assert [s for _, s in shown] == segments and len(segments) == 2
-    assert shown[0][0] < len(deltas)  # the analysis came out before the stream ended
-
-
-@pytest.mark.parametrize("deltas", [[], [" ", "\n"], ["<|end|>", "x"], ["<|start|>", "<|start|>"]])
-def test_streaming_odd_text_never_raises(deltas):
-    llm = SimpleNamespace(stream=lambda prompt, params: iter(deltas))
-    shown = []
-    segments = chat.stream_segments(llm, [1], SamplingParams(), shown.append)
-    assert shown == segments
-    assert chat.next_action(segments) is None
-
-
-def test_tool_declarations():
-    assert [t["function"]["name"] for t in chat.tool_declarations("builtin")] == list(
-        chat.DEFAULT_TOOLS
-    )
-    assert chat.tool_declarations("none") == []
-    assert [t["function"]["name"] for t in chat.tool_declarations("string_tool, calculator")] == [
-        "string_tool",
-        "calculator",
-    ]
+def test_tool_registry():
+    assert chat.tool_registry("builtin").names == list(chat.DEFAULT_TOOLS)
+    assert chat.tool_registry("none").names == []
+    assert chat.tool_registry("string_tool, calculator").names == ["string_tool", "calculator"]
     with pytest.raises(InvalidRequest, match="unknown tools"):
-        chat.tool_declarations("calculator,shell")
-    declared = chat.tool_declarations("calculator")
-    assert chat.run_declared(declared, "calculator", '{"expression":"6*7"}') == "42"
-    assert chat.run_declared(declared, "string_tool", "{}").startswith("error: ")
-
-
-def test_is_harmony():
-    harmony_ids = {"<|start|>": 2, "<|end|>": 3, "<|message|>": 4, "<|channel|>": 5}
-    assert chat.is_harmony(SimpleNamespace(token_to_id=harmony_ids.get))
-    assert not chat.is_harmony(SimpleNamespace(token_to_id={"<|start|>": 2}.get))
+        chat.tool_registry("calculator,shell")
 
 
 # ---------------------------------------------------------------- with the bundled model
@@ -150,32 +127,29 @@ def target() -> LLM:
 def test_tool_loop_reaches_the_final_answer(target):
     history = [{"role": "user", "content": "What is 17 times 23?"}]
     out = io.StringIO()
-    final = chat.run_turn(
-        target, history, chat.tool_declarations("builtin"), SamplingParams(temperature=0.0),
-        chat.Display(out, color=False),
+    final = chat.reply(
+        target, history, chat.tool_registry("builtin"), chat.Display(out, color=False),
+        params=SamplingParams(temperature=0.0),
     )  # fmt: skip
     assert final is not None and "391" in final
     lines = out.getvalue().splitlines()
     assert [line.split()[0] for line in lines] == ["analysis", "tool", "tool", "final"]
     assert lines[1].startswith("tool call   calculator {") and lines[2] == "tool result 391"
-    roles = [m["role"] for m in history]
-    assert roles == ["user", "assistant", "tool", "assistant"]
-    assert history[2] == {"role": "tool", "name": "calculator", "content": "391"}
-    assert all("thinking" not in m for m in history)  # past turns keep no analysis
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant"]
+    assert history[2]["name"] == "calculator" and history[2]["content"] == "391"
     assert target.engine.has_unfinished() is False
 
 
 @needs_model
-def test_tool_loop_stops_at_the_step_limit(target):
-    history = [{"role": "user", "content": "What is 17 times 23?"}]
-    out = io.StringIO()
-    final = chat.run_turn(
-        target, history, chat.tool_declarations("builtin"), SamplingParams(temperature=0.0),
-        chat.Display(out, color=False), max_steps=1,
-    )  # fmt: skip
-    assert final is None
-    assert out.getvalue().splitlines()[-1] == "stopped     1 generations without a final answer"
-    assert [m["role"] for m in history] == ["user", "assistant", "tool"]
+def test_closing_the_stream_aborts_the_generation(target):
+    events = target.session().stream([{"role": "user", "content": "What is 17 times 23?"}])
+    next(events)
+    events.close()
+    assert target.engine.has_unfinished() is False
+    cancel = threading.Event()
+    cancel.set()
+    turn = target.generate_turn([{"role": "user", "content": "Hi"}], cancel=cancel)
+    assert turn.finish_reason == "cancelled"
 
 
 @needs_model

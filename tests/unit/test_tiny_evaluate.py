@@ -1,8 +1,28 @@
-"""noesis.tiny.evaluate: scoring generated Harmony text against an example's metadata."""
+"""noesis.tiny.evaluate: scoring generated turns (Harmony text read by the one parser) against an
+example's metadata."""
+
+import functools
+from pathlib import Path
 
 import pytest
 
+from noesis.harmony import NOESIS_TINY, HarmonyEncoding, parse_text
 from noesis.tiny import corpus, evaluate, harmony
+
+TINY = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
+
+
+@functools.cache
+def _encoding() -> HarmonyEncoding:
+    return HarmonyEncoding.from_file(TINY, NOESIS_TINY)
+
+
+def score_call(example, text: str) -> evaluate.CallScore:
+    return evaluate.score_call(example, parse_text(_encoding(), text))
+
+
+def final_correct(example, text: str) -> bool | None:
+    return evaluate.final_correct(example, parse_text(_encoding(), text))
 
 
 def _example(predicate):
@@ -23,14 +43,11 @@ def tool_example():
 
 def test_reference_call_scores_perfectly(tool_example):
     generated = _continuation(tool_example, tool_example.prompt_messages)
-    score = evaluate.score_call(tool_example, generated.split("<|call|>")[0] + "<|call|>")
+    score = score_call(tool_example, generated.split("<|call|>")[0] + "<|call|>")
     assert score == evaluate.CallScore("calculator", True, True, True, True, False)
     final = _continuation(tool_example, tool_example.messages_before_final)
-    assert evaluate.final_correct(tool_example, final) is True
-    assert (
-        evaluate.final_correct(tool_example, "<|channel|>final<|message|>No idea.<|return|>")
-        is False
-    )
+    assert final_correct(tool_example, final) is True
+    assert final_correct(tool_example, "<|channel|>final<|message|>No idea.<|return|>") is False
 
 
 def test_equivalent_arguments_count_as_correct(tool_example):
@@ -39,7 +56,7 @@ def test_equivalent_arguments_count_as_correct(tool_example):
         "<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>"
         f'{{"expression": "({expression})"}}<|call|>'
     )
-    assert evaluate.score_call(tool_example, generated).arguments_correct
+    assert score_call(tool_example, generated).arguments_correct
 
 
 @pytest.mark.parametrize(
@@ -50,7 +67,7 @@ def test_broken_arguments(tool_example, body, json_ok, valid):
     generated = (
         f"<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{body}<|call|>"
     )
-    score = evaluate.score_call(tool_example, generated)
+    score = score_call(tool_example, generated)
     assert (
         score.selection_correct
         and score.arguments_json == json_ok
@@ -61,18 +78,18 @@ def test_broken_arguments(tool_example, body, json_ok, valid):
 
 def test_wrong_or_missing_call(tool_example):
     direct = "<|channel|>final<|message|>391.<|return|>"
-    score = evaluate.score_call(tool_example, direct)
+    score = score_call(tool_example, direct)
     assert score.called is None and not score.selection_correct and score.answered_directly
     undeclared = "<|channel|>commentary to=functions.nothing <|constrain|>json<|message|>{}<|call|>"
-    score = evaluate.score_call(tool_example, undeclared)
+    score = score_call(tool_example, undeclared)
     assert score.called == "nothing" and not score.selection_correct and not score.arguments_valid
 
 
 def test_no_call_expected():
     example = _example(lambda e: e.expected_tool is None and e.expected_answer is not None)
     generated = _continuation(example, example.prompt_messages)
-    assert evaluate.score_call(example, generated).selection_correct
-    assert evaluate.final_correct(example, generated)
+    assert score_call(example, generated).selection_correct
+    assert final_correct(example, generated)
 
 
 def test_summary(tool_example):

@@ -1,6 +1,9 @@
 """The tool-use eval harness (noesis.tiny.harness): parity of the bundled pair with transformers,
 the metrics on scripted outputs, the draft agreement algorithm, and a small real run."""
 
+import dataclasses
+import functools
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -12,7 +15,9 @@ import torch
 from noesis import LLM, SamplingParams
 from noesis.cli import main
 from noesis.errors import InvalidRequest
-from noesis.tiny import corpus, evaluate, harmony, harness
+from noesis.harmony import NOESIS_TINY, HarmonyEncoding, parse_text
+from noesis.session import AssistantTurn, ToolCall
+from noesis.tiny import corpus, evaluate, harmony, harness, natural
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 PAIR = {"target": MODELS / "noesis-tiny", "draft": MODELS / "noesis-tiny-draft"}
@@ -57,23 +62,32 @@ def test_greedy_tokens_match_transformers(bundled, name):
 
 
 class ScriptedLLM:
-    """Stands in for an LLM: renders with harmony.render and answers with `respond(prompt text)`;
-    a generated text of n characters counts as n tokens."""
+    """Stands in for an LLM as the runs' TurnGenerator: renders each request with harmony.render,
+    answers with `respond(prompt text)`, read by the one parser; n characters count as n tokens."""
 
     def __init__(self, respond):
         self.respond = respond
-        self.rendered: list[str] = []
         self.batches: list[int] = []
+        self.requests = []
 
-    def render_chat(self, messages, tools=None, add_generation_prompt=True):
-        self.rendered.append(harmony.render(messages, tools, add_generation_prompt))
-        return [len(self.rendered) - 1]
+    def generate_turns(self, requests, cancel):
+        self.batches.append(len(requests))
+        self.requests += requests
+        return [self._turn(r) for r in requests]
 
-    def generate(self, prompts, params):
-        assert all(p.greedy and not p.skip_special_tokens for p in params)
-        self.batches.append(len(prompts))
-        texts = [self.respond(self.rendered[prompt[0]]) for prompt in prompts]
-        return [SimpleNamespace(token_ids=[0] * len(text), text=text) for text in texts]
+    def _turn(self, request):
+        assert request.options["params"].greedy
+        prompt = harmony.render(request.messages, request.tools, True)
+        text = self.respond(prompt)
+        parsed = parse_text(_encoding(), text)
+        calls = [ToolCall(f"c{i}", c.name, c.arguments) for i, c in enumerate(parsed.tool_calls)]
+        ids = [0] * len(text)
+        return AssistantTurn(parsed.analysis, calls, parsed.final, 1, len(ids), "stop", [1], ids)
+
+
+@functools.cache
+def _encoding() -> HarmonyEncoding:
+    return HarmonyEncoding.from_file(PAIR["target"], NOESIS_TINY)
 
 
 TOOL_RESULT = "to=assistant<|channel|>commentary"
@@ -120,7 +134,7 @@ def test_metrics_on_scripted_outputs():
 
     llm = ScriptedLLM(respond)
     config = harness.EvalConfig()
-    result = harness.run(harness.generator(llm), llm, list(picked), config, None)
+    result = harness.run(llm, list(picked), config, None)
     summary = result.summary
     assert llm.batches == [3, 5]  # pass 1; then passes 2 and 3 together (2 supplied, 3 own)
     assert summary["examples"] == 3
@@ -140,41 +154,40 @@ def test_metrics_on_scripted_outputs():
     assert len(result.continuations) == 3 + 2  # every first turn, and each supplied final
 
 
-def test_decoding_hooks_wrap_the_engine_and_unknown_ones_are_refused(monkeypatch):
+def test_decoding_hooks_wrap_the_generator_and_unknown_ones_are_refused(monkeypatch):
     llm = ScriptedLLM(lambda prompt: "<|channel|>final<|message|>ok<|return|>")
-    with pytest.raises(InvalidRequest, match=r"unknown constraint 'json' \(available: harmony\)"):
+    refused = r"unknown constraint 'json' \(available: harmony, grounded\)"
+    with pytest.raises(InvalidRequest, match=refused):
         harness.evaluate_tools(llm, harness.EvalConfig(n=1, constraint="json"))
     with pytest.raises(InvalidRequest, match=r"unknown controller 'entropy'"):
-        harness.generator(llm, controller="entropy")
+        harness.turn_generator(llm, controller="entropy")
     seen = []
 
-    def upper(llm, inner):
-        def generate(prompts, params):
-            seen.append(len(prompts))
-            return [(ids, text.replace("ok", "OK")) for ids, text in inner(prompts, params)]
+    class Upper:
+        def __init__(self, inner):
+            self.inner = inner
 
-        return generate
+        def generate_turns(self, requests, cancel):
+            seen.append(len(requests))
+            turns = self.inner.generate_turns(requests, cancel)
+            return [dataclasses.replace(t, final=t.final.replace("ok", "OK")) for t in turns]
 
-    monkeypatch.setitem(harness.CONTROLLERS, "upper", upper)
+    monkeypatch.setitem(harness.CONTROLLERS, "upper", Upper)
     report = harness.evaluate_tools(llm, harness.EvalConfig(n=2, controller="upper"))
     assert seen == [2, 2] and report["controller"] == "upper" and report["constraint"] is None
 
 
-def test_the_harmony_constraint_puts_each_examples_tools_into_its_grammar():
-    """Every request of an example is sampled under a turn grammar made from that example's
-    declared tools (so its arguments must match their schemas)."""
-    asked = []
-
-    class Recording(ScriptedLLM):
-        def generate(self, prompts, params):
-            asked.extend(p.grammar for p in params)
-            return super().generate(prompts, params)
-
-    llm = Recording(lambda prompt: "<|channel|>final<|message|>ok<|return|>")
+def test_the_harmony_constraint_is_the_plain_schema_turn_grammar():
+    """Every request runs constrained to a well-formed turn over the example's declared tools,
+    ungrounded (the figures so far were measured so); unconstrained by default."""
+    llm = ScriptedLLM(lambda prompt: "<|channel|>final<|message|>ok<|return|>")
     harness.evaluate_tools(llm, harness.EvalConfig(n=3, constraint="harmony"))
     examples = corpus.generate(1234, "heldout", 3)
-    expected = {harness.CONSTRAINTS["harmony"](e) for e in examples}
-    assert asked and set(asked) == expected and None not in asked
+    assert {r.options["constrained"] for r in llm.requests} == {True}
+    assert {r.options["grounded"] for r in llm.requests} == {False}
+    assert [r.tools for r in llm.requests[:3]] == [e.tools or None for e in examples]
+    harness.evaluate_tools(llm, harness.EvalConfig(n=1))
+    assert llm.requests[-1].options["constrained"] is False
 
 
 def test_sampled_requests_get_stable_distinct_seeds():
@@ -245,7 +258,7 @@ def test_harness_on_the_bundled_pair(bundled):
     assert set(report["definitions"]) >= {"draft_greedy_agreement", "call_validity"}
     examples = corpus.generate(config.corpus_seed, config.split, config.n)
     llm = bundled["target"]
-    again = harness.run(harness.generator(llm), llm, examples, config, config.sampled)
+    again = harness.run(llm, examples, config, config.sampled)
     assert evaluate.to_json(again.scores) == report["scores"]["t=0.7 seed=3"]  # seeded
     assert not llm.engine.has_unfinished()
 
@@ -261,3 +274,43 @@ def test_eval_tools_command(tmp_path, capsys):
     assert report["command"] == "noesis " + " ".join(argv)
     assert report["model"].endswith("noesis-tiny") and report["dtype"] == "float32"
     assert report["examples"] == 2 and list(report["runs"]) == ["greedy"]
+
+
+# ---------------------------------------------------------------- golden outcomes
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "tiny_eval_golden.json"
+
+
+@needs_models
+def test_the_eval_through_the_session_keeps_the_recorded_outcomes(bundled):
+    """Per item, the generated turns, scores and end-to-end outcome equal those the harness gave
+    before it ran through the Session (recorded in tests/data, see its provenance)."""
+    golden = json.loads(GOLDEN.read_text())
+    digest = hashlib.sha256((PAIR["target"] / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == golden["model_sha256"], (
+        "the bundled model changed since the golden outcomes were recorded: re-record them with "
+        "scripts/tiny/record_eval_golden.py (only after retraining)"
+    )
+    fields = {f.name for f in dataclasses.fields(natural.NaturalExample)}
+    examples = [
+        (natural.NaturalExample if e["_natural"] else corpus.Example)(
+            **{k: tuple(v) if k == "entities" else v for k, v in e.items() if k in fields}
+        )
+        for e in golden["examples"]
+    ]
+    llm = bundled["target"]
+    result = harness.run(llm, examples, harness.EvalConfig(), None)
+
+    def decode(turn) -> str:
+        return llm.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
+
+    for trace, score in zip(result.traces, result.scores, strict=True):
+        expected = golden["greedy"][trace.example.id]
+        got = dataclasses.asdict(score)
+        assert got.pop("end_to_end") == expected["end_to_end"]
+        assert got == expected["score"]
+        assert decode(trace.own.turns[0]) == expected["first_text"]
+        supplied = trace.supplied and decode(trace.supplied.turns[0])
+        assert supplied == expected["supplied_text"]
+        own = decode(trace.own.turns[-1]) if len(trace.own.turns) > 1 else None
+        assert own == expected["own_text"]

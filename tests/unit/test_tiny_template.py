@@ -1,14 +1,18 @@
 """The noesis-tiny chat template renders exactly what harmony.render writes, in gpt-oss's layout."""
 
 import json
+from pathlib import Path
 
 import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from noesis.harmony import NOESIS_TINY, HarmonyEncoding, parse_text
 from noesis.tiny import corpus, harmony
 from noesis.tiny.template import CHAT_TEMPLATE
 from noesis.tiny.tools import schemas
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
 
 EXPECTED = (
     "<|start|>system<|message|>" + harmony.SYSTEM_PROMPT + harmony.TOOLS_NOTE + "<|end|>"
@@ -113,16 +117,13 @@ def test_template_edge_cases(env):
 def test_parse_completion_reads_channels_and_call():
     prompt = harmony.render(MESSAGES[:2], schemas(["calculator"]), add_generation_prompt=True)
     completion = EXPECTED[len(prompt) :].split("<|start|>functions")[0]
-    parsed = harmony.parse_completion(completion)
+    encoding = HarmonyEncoding.from_file(MODEL_DIR, NOESIS_TINY)  # the one Harmony parser
+    parsed = parse_text(encoding, completion)
     assert parsed.analysis == "Use the calculator."
-    call = parsed.tool_call
-    assert call is not None and call.recipient == "functions.calculator"
-    assert (
-        call.constrain == "json"
-        and call.content == '{"expression":"17*23"}'
-        and call.stop == "<|call|>"
-    )
-    final = harmony.parse_completion("<|channel|>final<|message|>17*23 = 391.<|return|>")
-    assert final.final == "17*23 = 391." and final.tool_call is None
-    truncated = harmony.parse_completion("<|channel|>analysis<|message|>thinking")
-    assert truncated.messages[0].stop is None and truncated.final is None
+    [call] = parsed.tool_calls
+    assert call.recipient == "functions.calculator" and call.content_type == "json"
+    assert call.arguments == '{"expression":"17*23"}' and parsed.messages[-1].stop == "call"
+    final = parse_text(encoding, "<|channel|>final<|message|>17*23 = 391.<|return|>")
+    assert final.final == "17*23 = 391." and final.tool_calls == []
+    truncated = parse_text(encoding, "<|channel|>analysis<|message|>thinking")
+    assert truncated.messages[0].stop == "truncated" and truncated.final is None

@@ -255,7 +255,7 @@ def test_every_failure_is_a_result_not_an_exception():
     ]
     assert results[0].content == "error: RuntimeError: kaput 1"
     assert results[1].content == "error: cannot do that"
-    assert results[2].content == "error: unknown tool 'missing' (known: boom, refuse, structured)"
+    assert results[2].content == "error: tool 'missing' is not declared"
     assert results[3].content.startswith("error: invalid arguments: x: Input should be")
     assert results[4].content.startswith("error: invalid arguments: Invalid JSON")
     assert results[5].content == '{"n":3,"squares":[0,1,4]}'

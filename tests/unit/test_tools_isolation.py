@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from noesis.sampling.params import SamplingParams
+from noesis import chat
 from noesis.session import AssistantTurn, Session, ToolCall
-from noesis.tiny import chat, tools
+from noesis.session import ToolCall as SessionToolCall
+from noesis.tiny import tools
 from noesis.tools import (
     RetryPolicy,
     ToolDefinitionError,
@@ -466,14 +467,18 @@ def test_isolated_refuses_what_a_worker_cannot_import():
 
 
 def test_chat_runs_builtins_through_the_executor():
-    declared = chat.tool_declarations("calculator,convert_units")
-    assert chat.run_declared(declared, "calculator", '{"expression": "17*23"}') == "391"
-    assert chat.run_declared(declared, "calculator", '{"expression": "1e15**64"}') == (
-        "error: result is out of range"
-    )
+    executor = ToolExecutor(chat.tool_registry("calculator,convert_units"))
+
+    def run(name: str, arguments: str) -> str:
+        [result] = executor.run([{"id": "c", "name": name, "arguments": arguments}])
+        return result.content
+
+    assert run("calculator", '{"expression": "17*23"}') == "391"
+    assert run("calculator", '{"expression": "1e15**64"}') == "error: result is out of range"
     hostile = '{"value": 1e308, "from_unit": "kilometer", "to_unit": "mile"}'
-    assert chat.run_declared(declared, "convert_units", hostile).startswith("error: value is out")
-    assert chat.run_declared(declared, "calculator", "[" * 10_000).startswith("error: ")
+    assert run("convert_units", hostile).startswith("error: value is out")
+    assert run("calculator", "[" * 10_000).startswith("error: ")
+    assert run("string_tool", "{}") == "error: tool 'string_tool' is not declared"
 
 
 def hang(expression: str) -> str:
@@ -482,24 +487,20 @@ def hang(expression: str) -> str:
     return "too late"
 
 
-def test_chat_run_turn_times_out_a_hanging_tool():
-    call_text = (
-        "<|channel|>commentary to=functions.calculator <|constrain|>json"
-        '<|message|>{"expression":"2+2"}<|call|>'
-    )
-    final_text = "<|channel|>final<|message|>The tool did not answer.<|return|>"
-    replies = iter([call_text, final_text])
-    llm = type("FakeLLM", (), {
-        "render_chat": lambda self, messages, tools: [],
-        "stream": lambda self, prompt, params: iter([next(replies)]),
-    })()  # fmt: skip
-    executor = ToolExecutor(ToolRegistry([make_tool(hang, name="calculator")]), timeout_s=0.5)
+def test_chat_reply_times_out_a_hanging_tool():
+    replies = iter([
+        AssistantTurn("", [SessionToolCall("c0", "calculator", '{"expression":"2+2"}')], None,
+                      1, 1, "tool_calls"),
+        AssistantTurn("", [], "The tool did not answer.", 1, 1, "stop"),
+    ])  # fmt: skip
+    llm = type("FakeLLM", (), {"generate_turn": lambda self, *a, **k: next(replies)})()
+    tools = ToolRegistry([make_tool(hang, name="calculator")])
     out = io.StringIO()
     history = [{"role": "user", "content": "2+2?"}]
     started = time.perf_counter()
-    final = chat.run_turn(
-        llm, history, chat.tool_declarations("calculator"), SamplingParams(temperature=0.0),
-        chat.Display(out, color=False), executor=executor,
+    final = chat.reply(
+        llm, history, tools, chat.Display(out, color=False),
+        executor=ToolExecutor(timeout_s=0.5),
     )  # fmt: skip
     assert time.perf_counter() - started < 0.5 + 1.0
     assert final == "The tool did not answer."

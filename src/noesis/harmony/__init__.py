@@ -14,6 +14,7 @@ from noesis.harmony.parser import (
     ParseIssue,
     ToolCall,
     parse_completion,
+    parse_text,
 )
 from noesis.harmony.vocab import VocabularyMissing, prepare_offline
 
@@ -37,5 +38,6 @@ __all__ = [
     "VocabularyMissing",
     "from_openai",
     "parse_completion",
+    "parse_text",
     "prepare_offline",
 ]

@@ -11,6 +11,7 @@ byte-level tokens is emitted whole.
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -358,3 +359,21 @@ def parse_completion(
     for event in parser.finish():
         turn.add(event)
     return turn
+
+
+def parse_text(encoding: HarmonyEncoding, text: str, role: str | None = "assistant") -> ParsedTurn:
+    """Parse generated text in which special tokens are spelled out (`<|call|>`), as another
+    runtime's decode with special tokens kept writes it: each spelling is read as its token."""
+    return parse_completion(encoding, spelled_ids(encoding, text), role)
+
+
+def spelled_ids(encoding: HarmonyEncoding, text: str) -> list[int]:
+    """Token ids of text in which special tokens are spelled out (`<|call|>`)."""
+    token_ids: list[int] = []
+    for piece in _SPECIAL_SPELLING.split(text):
+        special = encoding.vocab.special_id(piece) if _SPECIAL_SPELLING.fullmatch(piece) else None
+        token_ids += [special] if special is not None else encoding.encode_text(piece)
+    return token_ids
+
+
+_SPECIAL_SPELLING = re.compile(r"(<\|[a-z_]+\|>)")

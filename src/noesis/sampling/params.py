@@ -40,6 +40,9 @@ class SamplingParams:
     # A constraint enforced while sampling (noesis.structured.GrammarSpec): JSON schema, regex,
     # Lark. Only tokens the grammar allows can be sampled; the request stops when it completes.
     grammar: GrammarSpec | None = None
+    # Per-token entropy, varentropy, top-k mass and top-1/top-2 margin in RequestOutput.metrics
+    # (and for the control plane). Off: nothing is computed.
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string; store tuples so the object stays hashable.
@@ -76,6 +79,8 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0, hi=INT64_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if not isinstance(self.metrics, bool):
+            raise InvalidSamplingParams("metrics", f"must be a bool, got {_shown(self.metrics)}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidSamplingParams(
                 "grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}"

@@ -1,7 +1,8 @@
 """On-device sampling: penalties, temperature, top-k/top-p/min-p, seeded exponential race, logprobs.
 
 Everything is batched tensor work with no host sync; the runner copies the result back once.
-Logprobs are those of the model's own distribution (log-softmax of the raw logits).
+Logprobs are those of the model's own distribution (log-softmax of the raw logits); metrics
+(noesis.sampling.metrics) those of the distribution sampled from, after masks and penalties.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from noesis.kernels import ops
+from noesis.sampling.metrics import token_metrics
 from noesis.sampling.noise import exponential, exponential_at
 
 
@@ -27,11 +29,13 @@ class SamplingTensors:
     all_greedy: bool
     penalties: Penalties | None = None
     max_logprobs: int | None = None  # largest k any row asked for
+    metrics: bool = False  # some row asked for per-token metrics
 
     @classmethod
-    def greedy(cls, max_logprobs: int | None = None) -> SamplingTensors:
+    def greedy(cls, max_logprobs: int | None = None, metrics: bool = False) -> SamplingTensors:
         """Plain argmax for every row: no per-row tensors to build or copy."""
-        return cls(None, None, None, None, None, None, all_greedy=True, max_logprobs=max_logprobs)
+        return cls(None, None, None, None, None, None, all_greedy=True, max_logprobs=max_logprobs,
+                   metrics=metrics)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -52,6 +56,7 @@ class SamplerOutput:
     # [B] long: the ids the host reads, where -1 marks a row whose logits held NaN or +inf or
     # allowed no token at all (every logit -inf), so that request alone can end with an error
     reported_ids: torch.Tensor | None = None
+    metrics: torch.Tensor | None = None  # [B, NUM_METRICS] when asked (sampling.metrics)
 
 
 # The per-row check behind SamplerOutput.reported_ids (benchmarks/fault_check_cost.py times the
@@ -68,8 +73,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         token_ids, reported = _argmax_reported(logits)
     else:
         token_ids, reported = _sample_random(logits, t)
+    metrics = token_metrics(logits) if t.metrics else None
     if t.max_logprobs is None:
-        return SamplerOutput(token_ids, None, None, None, reported)
+        return SamplerOutput(token_ids, None, None, None, reported, metrics)
     logprobs = torch.log_softmax(raw, dim=-1)
     token_logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
     top_logprobs, top_ids = (
@@ -77,7 +83,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         if t.max_logprobs
         else (logprobs[:, :0], token_ids[:, None][:, :0])
     )
-    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs, reported)
+    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs, reported, metrics)
 
 
 def _reported_ids(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
@@ -128,8 +134,7 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors):
         if ops.use_triton(scaled) and scaled.dtype == torch.float32 and scaled.stride(-1) == 1:
             # The same race over the filtered, already scaled logits (T = 1 divides by one
             # exactly): the tokens _race would pick, without its passes over [B, V].
-            sampled = ops.exponential_race(scaled, torch.ones_like(temperature), t.seeds,
-                                           t.steps)
+            sampled = ops.exponential_race(scaled, torch.ones_like(temperature), t.seeds, t.steps)
         else:
             sampled = _race(scaled, t.seeds, t.steps)
     token_ids = torch.where(greedy_rows, argmax(logits), sampled)
@@ -189,8 +194,9 @@ def _race_filtered_on_host(scaled: torch.Tensor, t: SamplingTensors) -> torch.Te
     sampled = torch.zeros(batch, dtype=torch.int64)
     rows = filtered.nonzero()[:, 0]
     if len(rows):
-        sampled[rows] = _race_candidates(scaled[rows], top_k[rows], top_p[rows], min_p[rows],
-                                         t.seeds[rows], t.steps[rows])
+        sampled[rows] = _race_candidates(
+            scaled[rows], top_k[rows], top_p[rows], min_p[rows], t.seeds[rows], t.steps[rows]
+        )
     rows = (~filtered & ~greedy).nonzero()[:, 0]
     if len(rows):
         sampled[rows] = _race(scaled[rows], t.seeds[rows], t.steps[rows])

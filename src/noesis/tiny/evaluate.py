@@ -1,23 +1,37 @@
-"""Scoring of noesis-tiny conversations: pure functions from an Example and generated Harmony text
-to scores, and their summary. Running the model is the eval harness's job (engine side).
+"""Scoring of noesis-tiny conversations: pure functions from an Example and a generated turn to
+scores, and their summary. Running the model is the eval harness's job (engine side).
 
-A harness makes two generations per example: one from `render(example.prompt_messages, tools,
-add_generation_prompt=True)`, scored with `score_call` (and with `final_correct` when no call is
-expected), and one from `example.messages_before_final`, where the tool result is supplied, scored
-with `final_correct`.
+A turn is anything with `tool_calls` (each with `name` and `arguments`) and `final`: a Session's
+AssistantTurn, or a noesis.harmony ParsedTurn (`parse_text` reads another runtime's text).
+A harness makes two generations per example: one from the example's prompt messages, scored with
+`score_call` (and with `final_correct` when no call is expected), and one from
+`example.messages_before_final`, where the tool result is supplied, scored with `final_correct`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from noesis.tiny.corpus import Example
-from noesis.tiny.harmony import Completion, parse_completion
-from noesis.tiny.tools import execute, validate
+from noesis.tools.builtin import execute, validate
 
-FUNCTIONS_PREFIX = "functions."
+
+class Call(Protocol):
+    name: str
+    arguments: str
+
+
+class Turn(Protocol):
+    """What scoring reads of a generated turn."""
+
+    @property
+    def tool_calls(self) -> Sequence[Call]: ...
+
+    @property
+    def final(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -32,21 +46,18 @@ class CallScore:
     answered_directly: bool  # a final message came without a call
 
 
-def first_call(completion: Completion) -> tuple[str, str] | None:
-    """(tool name, arguments text) of the first message addressed to a function."""
-    call = completion.tool_call
-    if call is None or call.recipient is None:
-        return None
-    return call.recipient.removeprefix(FUNCTIONS_PREFIX), call.content
+def first_call(turn: Turn) -> tuple[str, str] | None:
+    """(tool name, arguments text) of the turn's first tool call."""
+    calls = turn.tool_calls
+    return (calls[0].name, calls[0].arguments) if calls else None
 
 
-def score_call(example: Example, generated: str) -> CallScore:
-    """Score the text generated after `<|start|>assistant` for the example's prompt."""
-    completion = parse_completion(generated)
-    found = first_call(completion)
+def score_call(example: Example, turn: Turn) -> CallScore:
+    """Score the model's first turn for the example's prompt."""
+    found = first_call(turn)
     if found is None:
         selected = example.expected_tool is None
-        return CallScore(None, selected, False, False, False, completion.final is not None)
+        return CallScore(None, selected, False, False, False, turn.final is not None)
     name, arguments_text = found
     arguments = _json_object(arguments_text)
     valid = arguments is not None and _valid_for_declared(example, name, arguments)
@@ -56,12 +67,12 @@ def score_call(example: Example, generated: str) -> CallScore:
     )
 
 
-def final_correct(example: Example, generated: str) -> bool | None:
-    """Whether the final answer in the generated text holds the expected answer (case-insensitive).
-    None when the example's answer is not scored (free writing)."""
+def final_correct(example: Example, turn: Turn | None) -> bool | None:
+    """Whether the turn's final answer holds the expected answer (case-insensitive); False without
+    a turn. None when the example's answer is not scored (free writing)."""
     if example.expected_answer is None:
         return None
-    final = parse_completion(generated).final
+    final = turn.final if turn is not None else None
     return final is not None and example.expected_answer.casefold() in final.casefold()
 
 
@@ -98,6 +109,7 @@ class ExampleScore:
     call: CallScore
     final_correct: bool | None  # with the tool result supplied (or the direct answer)
     tokens_to_answer: int | None = None
+    end_to_end: bool | None = None  # the final after the model's own calls ran (None: unscored)
 
 
 def summarize(scores: list[ExampleScore]) -> dict[str, Any]:

@@ -12,7 +12,6 @@ which renders the same text through the template and keeps the users' spellings 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -163,78 +162,3 @@ def _arguments(arguments: Any) -> str:
     if isinstance(arguments, str):
         return arguments
     return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
-
-
-# ---------------------------------------------------------------- parsing
-
-
-@dataclass
-class ParsedMessage:
-    """One Harmony message from a completion."""
-
-    role: str
-    channel: str
-    recipient: str | None
-    constrain: str | None
-    content: str
-    stop: str | None  # the token that closed it; None if the text ended first
-
-
-@dataclass
-class Completion:
-    messages: list[ParsedMessage] = field(default_factory=list)
-
-    def by_channel(self, channel: str) -> list[ParsedMessage]:
-        return [m for m in self.messages if m.channel == channel]
-
-    @property
-    def analysis(self) -> str:
-        return "\n".join(m.content for m in self.by_channel("analysis"))
-
-    @property
-    def tool_call(self) -> ParsedMessage | None:
-        calls = [m for m in self.messages if (m.recipient or "").startswith("functions.")]
-        return calls[0] if calls else None
-
-    @property
-    def final(self) -> str | None:
-        finals = self.by_channel("final")
-        return finals[-1].content if finals else None
-
-
-def parse_completion(text: str, prompt_ends_with_start: bool = True) -> Completion:
-    """Messages in generated text. With `prompt_ends_with_start` the text continues a prompt that
-    ended in `<|start|>assistant`, so the first header lacks its `<|start|>assistant`."""
-    if prompt_ends_with_start:
-        text = GENERATION_PROMPT + text
-    completion = Completion()
-    for chunk in text.split(START)[1:]:
-        header, sep, rest = chunk.partition(MESSAGE)
-        if not sep:
-            continue
-        content, stop = _until_stop(rest)
-        completion.messages.append(_parse_header(header, content, stop))
-    return completion
-
-
-def _until_stop(rest: str) -> tuple[str, str | None]:
-    positions = [(rest.find(tok), tok) for tok in (END, CALL, RETURN) if tok in rest]
-    if not positions:
-        return rest, None
-    index, token = min(positions)
-    return rest[:index], token
-
-
-def _parse_header(header: str, content: str, stop: str | None) -> ParsedMessage:
-    constrain = None
-    if CONSTRAIN in header:
-        header, _, constrain = header.partition(CONSTRAIN)
-        constrain = constrain.strip()
-    head, _, channel_part = header.partition(CHANNEL)
-    channel_words = channel_part.split()
-    head_words = head.split()
-    words = head_words[1:] + channel_words[1:]
-    recipient = next((w[3:] for w in words if w.startswith("to=")), None)
-    role = head_words[0] if head_words else ""
-    channel = channel_words[0] if channel_words else ""
-    return ParsedMessage(role, channel, recipient, constrain, content, stop)

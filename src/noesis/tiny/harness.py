@@ -1,16 +1,18 @@
-"""Tool-use eval harness behind `noesis eval tools`: held-out noesis-tiny conversations through an
-LLM it is given, the model's tool calls executed for real, scores from noesis.tiny.evaluate. The
-`natural` split (noesis.tiny.natural) runs the same way, with rates per phrasing kind as well.
+"""Tool-use eval harness behind `noesis eval tools`: held-out noesis-tiny conversations through the
+one turn loop (noesis.session.Session) over an LLM it is given, the model's tool calls executed for
+real by the built-in tools, scores from noesis.tiny.evaluate. The `natural` split
+(noesis.tiny.natural) runs the same way, with rates per phrasing kind as well.
 
-One decoding run makes three batched passes over the examples:
-  1. first:    the question -> the model's first turn (a tool call or a direct answer), scored by
-               `score_call`; a direct answer is also scored by `final_correct`.
+Each example is two Session runs, moved in lockstep so every generation is batched:
+  1. own:      the question -> the model's first turn (a tool call or a direct answer), scored by
+               `score_call`; a direct answer is also scored by `final_correct`. Its calls run for
+               real and their results go back, up to `max_tool_steps` more generations; the
+               last turn is scored end to end.
   2. supplied: where a tool is expected, the conversation up to the final answer, with the corpus's
-               correct call and the tool's real result supplied -> the final answer.
-  3. own:      where the model called a tool in pass 1, that call executed for real and its result
-               fed back -> the model's next turn, repeated up to `max_tool_steps` generations.
+               correct call and the tool's real result supplied -> the final answer (one
+               generation, batched with the own runs' second).
 Greedy always; sampled too when sampling parameters are given. With a draft model, the draft's
-greedy agreement with the target is measured on the target's greedy continuations of passes 1-2.
+greedy agreement with the target is measured on the target's greedy first turns and finals.
 """
 
 from __future__ import annotations
@@ -23,30 +25,33 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from noesis.control.policy import POLICIES, ControlPolicy, make_policy
+from noesis.control.think import BudgetedTurns
 from noesis.errors import InvalidRequest
 from noesis.sampling.params import SamplingParams
-from noesis.structured.harmony_grammar import harmony_turn_spec
-from noesis.structured.matcher import GrammarSpec
-from noesis.tiny import chat, corpus, evaluate, natural
+from noesis.session import Session, SessionRun, TurnGenerator
+from noesis.tiny import corpus, evaluate, natural
 from noesis.tiny.corpus import Example
 from noesis.tiny.lexicon import Split
+from noesis.tools.builtin import builtin_tools
 
-# Generate: prompts (token ids) and one SamplingParams each -> generated token ids and text each.
-Generate = Callable[[list[list[int]], list[SamplingParams]], list[tuple[list[int], str]]]
+# Controllers by name: the control plane's policies (noesis.control.POLICIES: "default", "none"),
+# which steer every run's generations through the Session, and generator hooks, each taking the
+# LLM and returning the TurnGenerator the runs use.
+Hook = Callable[[Any], TurnGenerator]
+THINK_BUDGET = 16  # analysis tokens of "think-budget" (noesis.control.think)
+CONTROLLERS: dict[str, Hook] = {"think-budget": lambda llm: BudgetedTurns(llm, THINK_BUDGET)}
 
-# Controllers by name: each takes the LLM and the Generate it wraps and returns a Generate (a
-# later issue registers one steered by the model's entropy). None exist yet.
-Hook = Callable[[Any, Generate], Generate]
-CONTROLLERS: dict[str, Hook] = {}
-
-
-def _harmony_turn(example: Example) -> GrammarSpec:
-    return harmony_turn_spec(example.tools or None, "auto")
-
-
-# Constraints by name: the grammar each request of an example is sampled under. "harmony": a
-# well-formed turn whose tool arguments match the called tool's declared schema.
-CONSTRAINTS: dict[str, Callable[[Example], GrammarSpec | None]] = {"harmony": _harmony_turn}
+# Constraints by name: the turn options every generation runs under. "harmony": a well-formed
+# turn whose tool arguments match the called tool's declared schema, read as plain JSON Schema;
+# "grounded": the same with the x-noesis-grounded keyword applied (arguments copied from the
+# user's words), which is how `noesis chat`, the voice and the server decode. Default:
+# unconstrained.
+UNCONSTRAINED: dict[str, Any] = {"constrained": False}
+CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "harmony": {"constrained": True, "grounded": False},
+    "grounded": {"constrained": True, "grounded": True},
+}
 
 DEFINITIONS = {
     "tool_selection_accuracy": "share of examples whose first turn calls the expected tool, or "
@@ -62,6 +67,11 @@ DEFINITIONS = {
     "fed back",
     "mean_tokens_to_answer": "generated tokens from the question to the end of the model's own "
     "answer (first turn plus the turns after its own tool calls)",
+    "tool_header_forbidden": "share of generations whose tool header the controller forbade "
+    "(emit-vs-tool; controller runs only)",
+    "tool_header_forced": "share of generations whose tool header the controller forced",
+    "unnecessary_tool_calls": "share of examples expecting no tool whose first turn called one",
+    "missed_tool_calls": "share of examples expecting a tool whose first turn called none",
     "draft_greedy_agreement": "over the target's greedy continuations t (first turns, and finals "
     "with the result supplied), the share of positions i where the draft's greedy token given "
     "prompt + t[:i] equals t[i]: the per-token acceptance of greedy speculative decoding",
@@ -78,24 +88,21 @@ class EvalConfig:
     corpus_seed: int = 1234  # the held-out seed of the preliminary transformers check
     max_tokens: int = 128  # per generation
     # A sampled run besides the greedy one, with these parameters (temperature, top_p, ...); the
-    # harness sets each request's seed (see request_seed), max_tokens and special-token output.
+    # harness sets each request's seed (see request_seed) and max_tokens.
     sampled: SamplingParams | None = None
     seed: int = 0
-    max_tool_steps: int = 3  # generations after the first turn in passes 2-3 (at least 1)
+    max_tool_steps: int = 3  # generations after the first turn (at least 1)
     constraint: str | None = None  # a name in CONSTRAINTS
     controller: str | None = None  # a name in CONTROLLERS
 
 
 @dataclass(slots=True)
 class Trace:
-    """What the model did on one example in one decoding run."""
+    """What the model did on one example in one decoding run: its two Session runs."""
 
     example: Example
-    conversation: list[dict[str, Any]]  # grows with the model's own calls and their results
-    first_text: str = ""
-    supplied_text: str | None = None  # pass 2's final turn
-    own_text: str | None = None  # pass 3's last turn
-    tokens_to_answer: int = 0  # pass 1 + pass 3 generated tokens
+    own: SessionRun
+    supplied: SessionRun | None  # None when no tool is expected
 
 
 @dataclass
@@ -107,18 +114,19 @@ class RunResult:
     summary: dict[str, Any]
     seconds: float
     continuations: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (prompt, ids)
+    traces: list[Trace] = field(default_factory=list)
 
 
 def evaluate_tools(llm, config: EvalConfig, draft=None) -> dict[str, Any]:
     """Run the harness; returns the report (summaries, definitions, per-example scores)."""
     if config.n < 1 or config.max_tool_steps < 1:
         raise InvalidRequest("n and max_tool_steps must be >= 1")
-    generate = generator(llm, config.controller)
-    constraint = _constraint(config.constraint)
+    generator = turn_generator(llm, config.controller)
+    _constraint(config.constraint)  # an unknown name is refused before any work
     examples = eval_examples(config)
-    runs = [run(generate, llm, examples, config, None, constraint)]
+    runs = [run(generator, examples, config, None)]
     if config.sampled is not None:
-        runs.append(run(generate, llm, examples, config, config.sampled, constraint))
+        runs.append(run(generator, examples, config, config.sampled))
     report: dict[str, Any] = {
         "split": config.split,
         "corpus_seed": config.corpus_seed,
@@ -151,16 +159,21 @@ def eval_examples(config: EvalConfig) -> list[Example]:
     return corpus.generate(config.corpus_seed, config.split, config.n)
 
 
-def generator(llm, controller: str | None = None) -> Generate:
-    """The engine's batched generate, wrapped by the named controller."""
-    generate = _engine_generate(llm)
-    if controller is not None:
-        generate = _named("controller", controller, CONTROLLERS)(llm, generate)
-    return generate
+def turn_generator(llm, controller: str | None = None) -> TurnGenerator:
+    """The LLM as the runs' turn generator, or the named controller's generator over it (a
+    control policy steers through the Session instead: the LLM itself)."""
+    if controller is None or controller in POLICIES:
+        return llm
+    return _named("controller", controller, {**CONTROLLERS, **POLICIES})(llm)
 
 
-def _constraint(name: str | None):
-    return None if name is None else _named("constraint", name, CONSTRAINTS)
+def control_policy(controller: str | None) -> ControlPolicy | None:
+    """The named control policy the runs' Session applies, or None."""
+    return make_policy(controller) if controller in POLICIES else None
+
+
+def _constraint(name: str | None) -> dict[str, Any]:
+    return UNCONSTRAINED if name is None else _named("constraint", name, CONSTRAINTS)
 
 
 def _named(kind: str, name: str, table: dict[str, Any]):
@@ -168,15 +181,6 @@ def _named(kind: str, name: str, table: dict[str, Any]):
         known = ", ".join(table) or "none yet"
         raise InvalidRequest(f"unknown {kind} {name!r} (available: {known})")
     return table[name]
-
-
-def _engine_generate(llm) -> Generate:
-    def generate(prompts: list[list[int]], params: list[SamplingParams]):
-        if not prompts:
-            return []
-        return [(out.token_ids, out.text) for out in llm.generate(prompts, params)]
-
-    return generate
 
 
 def request_seed(seed: int, example_id: str, step: str) -> int:
@@ -188,66 +192,131 @@ def request_seed(seed: int, example_id: str, step: str) -> int:
 
 
 def run(
-    generate: Generate,
-    llm,
+    generator: TurnGenerator,
     examples: list[Example],
     config: EvalConfig,
     sampled: SamplingParams | None,
-    constraint: Callable[[Example], GrammarSpec | None] | None = None,
 ) -> RunResult:
-    """Passes 1-3 over every example under one decoding setting (greedy when sampled is None)."""
+    """Every example's runs under one decoding setting (greedy when sampled is None)."""
     began = time.perf_counter()
     label = "greedy" if sampled is None else _label(sampled, config.seed)
-    base = sampled or SamplingParams(temperature=0.0)
-
-    def params(example: Example, step: str) -> SamplingParams:
-        seed = None if sampled is None else request_seed(config.seed, example.id, step)
-        grammar = constraint(example) if constraint is not None else None
-        return dataclasses.replace(
-            base, seed=seed, max_tokens=config.max_tokens, skip_special_tokens=False,
-            grammar=grammar,
-        )
-
-    traces = [Trace(e, list(e.prompt_messages)) for e in examples]
-    prompts = [_render(llm, t.conversation, t.example) for t in traces]
-    firsts = generate(prompts, [params(t.example, "first") for t in traces])
-    for trace, (ids, text) in zip(traces, firsts, strict=True):
-        trace.first_text, trace.tokens_to_answer = text, len(ids)
-    supplied = _finals(llm, generate, traces, params, config.max_tool_steps)
+    options = _constraint(config.constraint)
+    policy = control_policy(config.controller)
+    session = Session(generator, max_tool_rounds=config.max_tool_steps, control=policy)
+    traces = [_start(session, example, config, sampled, options) for example in examples]
+    owns = [trace.own for trace in traces]
+    session.advance(owns)  # every first turn
+    runs = [t.supplied for t in traces if t.supplied is not None] + owns
+    while not all(r.done for r in runs):
+        session.advance(runs)  # the supplied finals, batched with the turns after own calls
     scores = [_score(trace) for trace in traces]
     summary = evaluate.summarize(scores)
-    summary["end_to_end_accuracy"] = _rate(
-        [evaluate.final_correct(t.example, _last_turn(t)) for t in traces]
-    )
+    summary["end_to_end_accuracy"] = _rate([score.end_to_end for score in scores])
+    summary.update(_tool_call_errors(scores))
+    if policy is not None:
+        summary.update(_control_summary(traces))
     if any(isinstance(e, natural.NaturalExample) for e in examples):
-        summary["by_kind"] = _by_kind(traces, scores)
-    result = RunResult(label, scores, summary, time.perf_counter() - began)
+        summary["by_kind"] = _by_kind(scores, examples)
+    result = RunResult(label, scores, summary, time.perf_counter() - began, traces=traces)
     if sampled is None:
-        result.continuations = [(p, ids) for p, (ids, _) in zip(prompts, firsts, strict=True)]
-        result.continuations += supplied
+        firsts = [t.own.turns[0] for t in traces]
+        finals = [t.supplied.turns[0] for t in traces if t.supplied is not None]
+        result.continuations = [(turn.prompt_token_ids, turn.token_ids) for turn in firsts + finals]
     return result
 
 
-def _by_kind(traces: list[Trace], scores: list[evaluate.ExampleScore]) -> dict[str, Any]:
+def _start(
+    session: Session,
+    example: Example,
+    config: EvalConfig,
+    sampled: SamplingParams | None,
+    options: dict[str, Any],
+) -> Trace:
+    tools = _builtin_registry(example)
+    base = sampled or SamplingParams(temperature=0.0)
+
+    def params(step: Callable[[int], str]) -> Callable[[int], SamplingParams]:
+        def for_round(index: int) -> SamplingParams:
+            seed = None if sampled is None else request_seed(config.seed, example.id, step(index))
+            return dataclasses.replace(base, seed=seed, max_tokens=config.max_tokens)
+
+        return for_round
+
+    own = session.start(example.prompt_messages, tools, params=params(_own_step), **options)
+    supplied = None
+    if example.expected_tool is not None:
+        supplied = session.start(
+            example.messages_before_final, tools, max_tool_rounds=0,
+            params=params(lambda index: "supplied0"), **options,
+        )  # fmt: skip
+    return Trace(example, own, supplied)
+
+
+def _own_step(index: int) -> str:
+    return "first" if index == 0 else f"own{index - 1}"
+
+
+def _builtin_registry(example: Example):
+    """The example's declared tools as the built-in tools that run its calls."""
+    names = [tool["function"]["name"] for tool in example.tools]
+    registry = builtin_tools(names)
+    if registry.schemas() != example.tools:
+        raise InvalidRequest(f"example {example.id} declares tools unlike the built-in ones")
+    return registry
+
+
+def _score(trace: Trace) -> evaluate.ExampleScore:
+    example, first = trace.example, trace.own.turns[0]
+    final_turn = first if trace.supplied is None else trace.supplied.turns[0]
+    return evaluate.ExampleScore(
+        example.id,
+        example.task,
+        example.expected_tool,
+        evaluate.score_call(example, first),
+        evaluate.final_correct(example, final_turn),
+        trace.own.usage.completion_tokens,
+        evaluate.final_correct(example, trace.own.turns[-1]),
+    )
+
+
+def _tool_call_errors(scores: list[evaluate.ExampleScore]) -> dict[str, float | None]:
+    """First-turn calls where none was expected, and none where one was."""
+    expected = [s for s in scores if s.expected_tool is not None]
+    direct = [s for s in scores if s.expected_tool is None]
+    return {
+        "unnecessary_tool_calls": _rate([s.call.called is not None for s in direct]),
+        "missed_tool_calls": _rate([s.call.called is None for s in expected]),
+    }
+
+
+def _control_summary(traces: list[Trace]) -> dict[str, float | None]:
+    """How often the controller forbade or forced the tool header, over every generation."""
+    runs = [t.own for t in traces] + [t.supplied for t in traces if t.supplied is not None]
+    decisions = [d for r in runs if r.control is not None
+                 for d in r.control.summary().get("decisions", [])]  # fmt: skip
+    return {
+        "tool_header_forbidden": _rate([d == "none" for d in decisions]),
+        "tool_header_forced": _rate([d == "required" for d in decisions]),
+    }
+
+
+def _by_kind(scores: list[evaluate.ExampleScore], examples: list[Example]) -> dict[str, Any]:
     """Per phrasing kind of the natural split: selection, arguments, final and end-to-end rates."""
-    groups: dict[str, list[tuple[Trace, evaluate.ExampleScore]]] = {}
-    for trace, score in zip(traces, scores, strict=True):
-        example = trace.example
+    groups: dict[str, list[evaluate.ExampleScore]] = {}
+    for example, score in zip(examples, scores, strict=True):
         kind = example.kind if isinstance(example, natural.NaturalExample) else ""
-        groups.setdefault(kind, []).append((trace, score))
+        groups.setdefault(kind, []).append(score)
     return {
         kind: {
-            "examples": len(pairs),
-            "tool_selection_accuracy": _rate([s.call.selection_correct for _, s in pairs]),
+            "examples": len(group),
+            "tool_selection_accuracy": _rate([s.call.selection_correct for s in group]),
             "call_arguments_correct": _rate(
-                [s.call.arguments_correct for _, s in pairs if s.call.called is not None]
+                [s.call.arguments_correct for s in group if s.call.called is not None]
             ),
-            "final_answer_accuracy": _rate([s.final_correct for _, s in pairs]),
-            "end_to_end_accuracy": _rate(
-                [evaluate.final_correct(t.example, _last_turn(t)) for t, _ in pairs]
-            ),
+            "final_answer_accuracy": _rate([s.final_correct for s in group]),
+            "end_to_end_accuracy": _rate([s.end_to_end for s in group]),
         }
-        for kind, pairs in groups.items()
+        for kind, group in groups.items()
     }
 
 
@@ -258,68 +327,6 @@ def _label(sampled: SamplingParams, seed: int) -> str:
     parts += [f"top_p={sampled.top_p:g}"] if sampled.top_p < 1.0 else []
     parts += [f"min_p={sampled.min_p:g}"] if sampled.min_p > 0.0 else []
     return " ".join([*parts, f"seed={seed}"])
-
-
-def _render(llm, messages: list[dict[str, Any]], example: Example) -> list[int]:
-    return llm.render_chat(messages, example.tools or None)
-
-
-def _finals(llm, generate: Generate, traces: list[Trace], params, max_tool_steps: int):
-    """Passes 2 and 3, batched together; pass 3 goes on while the model calls tools. Returns pass
-    2's (prompt, generated ids)."""
-    jobs = [("supplied", t) for t in traces if t.example.expected_tool is not None]
-    jobs += [("own", t) for t in traces if _feed_call(t, t.first_text)]
-    supplied: list[tuple[list[int], list[int]]] = []
-    for step in range(max_tool_steps):
-        if not jobs:
-            break
-        prompts = [
-            _render(llm, t.example.messages_before_final if kind == "supplied" else t.conversation,
-                    t.example)
-            for kind, t in jobs
-        ]  # fmt: skip
-        outputs = generate(prompts, [params(t.example, f"{kind}{step}") for kind, t in jobs])
-        next_jobs = []
-        for (kind, trace), prompt, (ids, text) in zip(jobs, prompts, outputs, strict=True):
-            if kind == "supplied":
-                trace.supplied_text = text
-                supplied.append((prompt, ids))
-                continue
-            trace.own_text = text
-            trace.tokens_to_answer += len(ids)
-            if _feed_call(trace, text):
-                next_jobs.append(("own", trace))
-        jobs = next_jobs
-    return supplied
-
-
-def _feed_call(trace: Trace, text: str) -> bool:
-    """If the model's turn calls a tool, run it and append the call and its result."""
-    action = chat.next_action(chat.parse_stream(text))
-    if not isinstance(action, tuple):
-        return False
-    analysis, name, arguments = action
-    result = chat.run_declared(trace.example.tools, name, arguments)
-    call_id = f"call_{len(trace.conversation)}"
-    trace.conversation += chat.call_messages(analysis, name, arguments, result, call_id)
-    return True
-
-
-def _score(trace: Trace) -> evaluate.ExampleScore:
-    example = trace.example
-    final_text = trace.first_text if example.expected_tool is None else trace.supplied_text
-    return evaluate.ExampleScore(
-        example.id,
-        example.task,
-        example.expected_tool,
-        evaluate.score_call(example, trace.first_text),
-        evaluate.final_correct(example, final_text or ""),
-        trace.tokens_to_answer,
-    )
-
-
-def _last_turn(trace: Trace) -> str:
-    return trace.first_text if trace.own_text is None else trace.own_text
 
 
 def _rate(flags: list[bool | None]) -> float | None:

@@ -223,9 +223,8 @@ class ToolExecutor:
     ) -> ToolResult:
         call = progress.call
         tool = self.registry.find(call.name) if isinstance(call.name, str) else None
-        if tool is None:
-            known = ", ".join(self.registry.names) or "none"
-            message = f"unknown tool {call.name!r} (known: {known})"
+        if tool is None:  # worded as noesis-tiny was trained to read it
+            message = f"tool {call.name!r} is not declared"
             return self._failed(progress, _Failure("unknown_tool", message))
         try:
             kwargs = tool.parse_arguments(call.arguments)

@@ -1,0 +1,171 @@
+"""Ablation ladder of the control plane on the tool-use eval (noesis.tiny.harness): the same
+examples under each rung, greedy and sampled (T = 0.7, several seeds), with 95% intervals.
+
+    python benchmarks/control_ladder.py --split heldout --json ladder_heldout.json
+    python benchmarks/control_ladder.py --split natural --json ladder_natural.json
+    python benchmarks/control_ladder.py --split train --n 100 --json ladder_train.json  # tuning
+
+Rungs (a name in RUNGS): baseline (unconstrained), +phi (unconstrained, the default policy: only
+Φ acts, the tool header is not grammar-bound), +constraints (grounded turn grammar),
++control-none (the grammar, the null policy: metrics on, knobs unchanged; must equal
++constraints), +phi+efe (the grammar and the default policy), +budgetB (the grammar, the first
+turn's analysis capped at B tokens: noesis.control.think), +phi+efe+budget8. Per run: end-to-end
+accuracy (Wilson interval over examples x seeds), first-try schema validity, unnecessary and
+missed tool calls, tokens to answer (mean, normal interval) and its change against the
+unconstrained baseline of the same mode (paired bootstrap over examples), and how often the
+controller forbade or forced the tool header. The JSON is rewritten after every run, so a
+cut-off run keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from noesis import LLM, SamplingParams  # noqa: E402
+from noesis.control.think import BudgetedTurns  # noqa: E402
+from noesis.tiny import harness  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNGS = {  # name: (constraint, control policy, think budget)
+    "baseline": (None, None, None),
+    "+phi": (None, "default", None),
+    "+constraints": ("grounded", None, None),
+    "+control-none": ("grounded", "none", None),
+    "+phi+efe": ("grounded", "default", None),
+    "+budget8": ("grounded", None, 8),
+    "+budget16": ("grounded", None, 16),
+    "+phi+efe+budget8": ("grounded", "default", 8),
+}
+
+
+def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    if total == 0:
+        return (math.nan, math.nan)
+    p = successes / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return (centre - half, centre + half)
+
+
+def mean_interval(values: list[float]) -> tuple[float, float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / max(1, n - 1))
+    return mean, mean - 1.96 * sd / math.sqrt(n), mean + 1.96 * sd / math.sqrt(n)
+
+
+def paired_change(ours: list[float], base: list[float], draws: int = 2000) -> dict:
+    """Relative change of the mean (ours / base - 1), with a bootstrap interval over examples."""
+    rng = random.Random(0)
+    n = len(ours)
+    ratios = []
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(ours[i] for i in picks) / sum(base[i] for i in picks) - 1)
+    ratios.sort()
+    return {"change": sum(ours) / sum(base) - 1, "low": ratios[int(0.025 * draws)],
+            "high": ratios[int(0.975 * draws)]}  # fmt: skip
+
+
+def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, seeds) -> dict:
+    """Every seed of one rung and decoding mode, pooled."""
+    constraint, controller, budget = RUNGS[rung]
+    scores, summaries, began = [], [], time.perf_counter()
+    for seed in seeds:
+        config = harness.EvalConfig(split=args.split, n=args.n, corpus_seed=args.corpus_seed,
+                                    max_tokens=args.max_tokens, seed=seed, constraint=constraint,
+                                    controller=controller)  # fmt: skip
+        generator = BudgetedTurns(llm, budget) if budget else llm
+        result = harness.run(generator, examples, config, sampled)
+        scores += result.scores
+        summaries.append(result.summary)
+    e2e = [s.end_to_end for s in scores if s.end_to_end is not None]
+    tokens = [float(s.tokens_to_answer) for s in scores if s.tokens_to_answer is not None]
+    calls = [s.call for s in scores if s.call.called is not None]
+    low, high = wilson(sum(e2e), len(e2e))
+    mean, t_low, t_high = mean_interval(tokens)
+    return {
+        "rung": rung, "mode": "greedy" if sampled is None else f"t={sampled.temperature:g}",
+        "seeds": list(seeds), "scored": len(e2e),
+        "end_to_end_accuracy": sum(e2e) / len(e2e), "end_to_end_ci": [low, high],
+        "call_validity": _mean([c.arguments_valid for c in calls]),
+        "unnecessary_tool_calls": _mean([s["unnecessary_tool_calls"] for s in summaries]),
+        "missed_tool_calls": _mean([s["missed_tool_calls"] for s in summaries]),
+        "mean_tokens_to_answer": mean, "tokens_ci": [t_low, t_high],
+        "tool_header_forbidden": _mean([s.get("tool_header_forbidden") for s in summaries]),
+        "tool_header_forced": _mean([s.get("tool_header_forced") for s in summaries]),
+        "per_example_tokens": tokens, "seconds": round(time.perf_counter() - began, 1),
+    }  # fmt: skip
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "noesis-tiny"))
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--split", default="heldout", choices=harness.SPLITS)
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--corpus-seed", type=int, default=1234)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seeds", default="0,1,2", help="sampled runs' seeds")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--rungs", default=",".join(RUNGS))
+    parser.add_argument("--modes", default="greedy,sampled", help="greedy, sampled or both")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    llm = LLM(args.model, device=args.device, progress=False, enable_prefix_caching=True)
+    examples = harness.eval_examples(harness.EvalConfig(split=args.split, n=args.n,
+                                                        corpus_seed=args.corpus_seed))  # fmt: skip
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    wanted = args.modes.split(",")
+    modes = [(None, [0])] if "greedy" in wanted else []
+    if "sampled" in wanted and seeds:
+        modes.append((SamplingParams(temperature=args.temperature), seeds))
+    report = {"split": args.split, "n": len(examples), "corpus_seed": args.corpus_seed,
+              "device": str(llm.engine.device), "command": " ".join(sys.argv),
+              "runs": []}  # fmt: skip
+    for sampled, mode_seeds in modes:
+        for rung in args.rungs.split(","):
+            row = one_rung(llm, examples, args, rung, sampled, mode_seeds)
+            report["runs"].append(row)
+            _compare(report["runs"])
+            print(_line(row), flush=True)
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def _compare(runs: list[dict]) -> None:
+    """Tokens against the unconstrained baseline of the same mode (paired over examples)."""
+    last = runs[-1]
+    base = next((r for r in runs if r["rung"] == "baseline" and r["mode"] == last["mode"]), None)
+    if base is not None and base is not last:
+        last["tokens_vs_baseline"] = paired_change(last["per_example_tokens"],
+                                                   base["per_example_tokens"])  # fmt: skip
+
+
+def _line(r: dict) -> str:
+    ci, tci = r["end_to_end_ci"], r["tokens_ci"]
+    versus = r.get("tokens_vs_baseline")
+    change = f" {100 * versus['change']:+.1f}% [{100 * versus['low']:+.1f}, " \
+             f"{100 * versus['high']:+.1f}]" if versus else ""  # fmt: skip
+    valid = "-" if r["call_validity"] is None else f"{100 * r['call_validity']:.1f}%"
+    return (f"{r['mode']:>7} {r['rung']:<14} e2e {100 * r['end_to_end_accuracy']:5.1f}% "
+            f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]  valid {valid}  "
+            f"tokens {r['mean_tokens_to_answer']:.1f} [{tci[0]:.1f}, {tci[1]:.1f}]{change}  "
+            f"unnecessary {r['unnecessary_tool_calls']}  missed {r['missed_tool_calls']}  "
+            f"forbidden {r['tool_header_forbidden']}  ({r['seconds']} s)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""What the control plane costs per decode step: the sampler with per-token metrics on against the
+same call with them off, on a 128k vocabulary at batch 1 and 64 (the 8B shape's sampler input),
+and the host-side policy per token (belief + Φ). Checks the CUDA kernel against the PyTorch
+reference on the same logits.
+
+    python benchmarks/control_overhead.py [--device cuda] [--batches 1,64] [--json out.json]
+        [--step-ms 1:3.94,64:5.17]
+
+--step-ms: the decode step the added time is a share of, per batch (default: the 8B graph step
+on the H200 in benchmarks/RESULTS.md; pass the same card's own figures when they differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from noesis.control import DefaultPolicy  # noqa: E402
+from noesis.control.phi import Phi  # noqa: E402
+from noesis.sampling.metrics import TokenMetrics, reference_metrics, token_metrics  # noqa: E402
+from noesis.sampling.sampler import SamplingTensors, sample  # noqa: E402
+
+
+def knobs(batch: int, greedy: bool, metrics: bool, device: str) -> SamplingTensors:
+    if greedy:
+        return SamplingTensors.greedy(metrics=metrics)
+    zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+    return SamplingTensors(torch.full((batch,), 0.7, device=device), None, None, None,
+                           torch.arange(batch, device=device), zeros, all_greedy=False,
+                           metrics=metrics)  # fmt: skip
+
+
+def time_ms(fn, reps: int, device: str) -> float:
+    for _ in range(5):
+        fn()
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+    began = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - began) * 1e3 / reps
+
+
+def host_policy_us(tokens: int = 20000) -> float:
+    """Per token: BeliefState.observe + PhiController.update under the default policy."""
+    policy = DefaultPolicy()
+    state = policy.begin(Phi(0.7, 0.95, 4, 128))
+    stream = [TokenMetrics(0.2 + (i % 7) * 0.3, 0.1, 0.9, 0.5) for i in range(tokens)]
+    began = time.perf_counter()
+    for metrics in stream:
+        policy.next_phi(state, metrics)
+    return (time.perf_counter() - began) * 1e6 / tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--step-ms", default="1:3.94,64:5.17")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    steps = dict(item.split(":") for item in args.step_ms.split(",") if item)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        gen = torch.Generator(device=args.device).manual_seed(batch)
+        logits = torch.randn(batch, args.vocab, device=args.device, generator=gen) * 3
+        error = (token_metrics(logits) - reference_metrics(logits)).abs().max().item()
+        for name, greedy in (("greedy", True), ("T=0.7", False)):
+            off, on = (knobs(batch, greedy, m, args.device) for m in (False, True))
+            off_ms = time_ms(lambda o=off, x=logits: sample(x, o), args.reps, args.device)
+            on_ms = time_ms(lambda o=on, x=logits: sample(x, o), args.reps, args.device)
+            step = float(steps.get(str(batch), "nan"))
+            rows.append({"batch": batch, "setting": name, "off_ms": off_ms, "on_ms": on_ms,
+                         "added_us": (on_ms - off_ms) * 1e3,
+                         "share_of_step": (on_ms - off_ms) / step, "step_ms": step,
+                         "max_abs_error_vs_reference": error})  # fmt: skip
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "torch": torch.__version__, "vocab": args.vocab, "rows": rows,
+              "host_policy_us_per_token": host_policy_us()}  # fmt: skip
+    print(f"{'batch':>5} {'setting':>8} {'off ms':>8} {'on ms':>8} {'added us':>9} {'of step':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['setting']:>8} {r['off_ms']:>8.3f} {r['on_ms']:>8.3f} "
+              f"{r['added_us']:>9.1f} {100 * r['share_of_step']:>7.2f}%")  # fmt: skip
+    print(
+        f"host policy: {report['host_policy_us_per_token']:.1f} us per token; kernel vs "
+        f"reference max abs error {max(r['max_abs_error_vs_reference'] for r in rows):.2e}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
