@@ -59,9 +59,39 @@ class Checkpoints:
         return self._references[key]
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Modules whose selected tests wait on a slow child process of their own may start it now
+    (`start_in_background()`), so that it runs beside the tests before them: the tests run on
+    one core (one torch thread), the CI machine has two."""
+    if session.config.option.collectonly:
+        return
+    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+        start = getattr(module, "start_in_background", None)
+        if start is not None:
+            _background.append(start())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for process in _background:
+        if process is not None and process.poll() is None:  # its tests did not run
+            process.kill()
+            process.wait()
+
+
+_background: list = []
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def whisper():
+    """Whisper tiny.en (faster-whisper), loaded once for the voice tests."""
+    from noesis.voice.asr import WhisperRecognizer
+
+    return WhisperRecognizer(threads=2)
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +101,11 @@ def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     directory = tmp_path_factory.mktemp("tiny-data")
     config = data.DataConfig(
-        seed=3, train_items=240, heldout_items=40, tokenizer_items=240, vocab_size=600,
+        seed=3,
+        train_items=240,
+        heldout_items=40,
+        tokenizer_items=240,
+        vocab_size=600,
         chunk_items=100,
     )
     data.build(directory, config, workers=1)

@@ -1,7 +1,11 @@
 """End-to-end fixtures: the real `noesis serve` in a subprocess on 127.0.0.1, a tiny checkpoint.
 
-One shared server (session scope) serves most tests; tests that need other flags, or that stop
-the server, start their own with `ServerProcess`. Every request loop in this tier is bounded.
+One shared server (session scope) serves most tests; a strict one (a key, a queue of one, CORS)
+serves test_limits.py and test_cors.py; a spare one serves, in turn, the tests that disturb a
+server (overlapped steps, a killed engine process, a SIGTERM drain). Tests that need other flags,
+or that kill the server uncleanly, start their own with `ServerProcess`. Each start costs seconds
+of both CPU cores (two processes import torch), so starts are shared where the flags allow. Every
+request loop in this tier is bounded.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from checkpoints import build_checkpoint
 
 MODEL_NAME = "tiny-chat"
 CONTEXT = 1024
+STRICT_KEY = "sk-test-123"  # the strict server's, from $NOESIS_API_KEY
+CORS_ORIGIN = "http://localhost:3000"  # one of the strict server's two CORS origins
+SHUTDOWN_DEADLINE = 3.0  # the spare server's --shutdown-timeout
 
 
 def free_port() -> int:
@@ -147,6 +154,45 @@ def start_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
 def server(start_server) -> ServerProcess:
     """The shared server: defaults, with room for the concurrency tests."""
     return start_server("--max-queue", "128", "--max-n", "8")
+
+
+@pytest.fixture(scope="session")
+def strict_server(start_server) -> ServerProcess:
+    """One running sequence, one waiting, the API key from the environment, /metrics left open,
+    CORS for two origins."""
+    return start_server(
+        "--max-num-seqs",
+        "1",
+        "--max-queue",
+        "1",
+        "--metrics-public",
+        "--cors-origins",
+        f"{CORS_ORIGIN}, https://app.example",
+        env={"NOESIS_API_KEY": STRICT_KEY},
+    )
+
+
+@pytest.fixture(scope="session")
+def _spare_servers() -> list[ServerProcess]:
+    return []
+
+
+@pytest.fixture
+def spare_server(start_server, _spare_servers: list[ServerProcess]) -> ServerProcess:
+    """A server that a test may disturb: steps overlapped (`--overlap-steps`, the CUDA default,
+    forced on here on the CPU), a short shutdown deadline. Each test leaves it serving and idle
+    (its counters moved on), but a test that stops it; the next test then gets a fresh one."""
+    if not _spare_servers or _spare_servers[-1].process.poll() is not None:
+        _spare_servers.append(
+            start_server(
+                "--max-queue",
+                "128",
+                "--overlap-steps",
+                "--shutdown-timeout",
+                str(SHUTDOWN_DEADLINE),
+            )
+        )
+    return _spare_servers[-1]
 
 
 @pytest.fixture

@@ -9,18 +9,12 @@ import httpx
 import openai
 import pytest
 from conftest import MODEL_NAME, chat
+from conftest import STRICT_KEY as KEY
 
 from noesis import cli
 
-KEY = "sk-test-123"
-
-
-@pytest.fixture(scope="module")
-def strict_server(start_server):
-    """One running sequence, one waiting, API key from the environment, /metrics left open."""
-    return start_server(
-        "--max-num-seqs", "1", "--max-queue", "1", "--metrics-public", env={"NOESIS_API_KEY": KEY}
-    )
+# strict_server (conftest): one running sequence, one waiting, the API key from the
+# environment, /metrics left open.
 
 
 def test_api_key_required_on_v1(strict_server):

@@ -9,8 +9,8 @@ import time
 
 import httpx
 from conftest import MODEL_NAME
+from conftest import SHUTDOWN_DEADLINE as DEADLINE
 
-DEADLINE = 3.0
 NUM_LONG = 24
 
 
@@ -40,8 +40,8 @@ def _stream(server, max_tokens: int, result: dict, started: threading.Event) -> 
         started.set()
 
 
-def test_sigterm_drains_then_exits_zero(start_server):
-    server = start_server("--shutdown-timeout", str(DEADLINE))
+def test_sigterm_drains_then_exits_zero(spare_server):
+    server = spare_server  # stopped here: the spare's next user gets a fresh one
     short, longs = {}, [{} for _ in range(NUM_LONG)]
     jobs = [(20, short)] + [(1000, r) for r in longs]
     events = [threading.Event() for _ in jobs]

@@ -49,8 +49,9 @@ def paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens, seed=0):
         (8, 1, 32, 16, [520, 3], None),  # MQA, several splits
         (4, 4, 24, 8, [33, 64], None),  # MHA, head_dim not a power of two
         (6, 2, 16, 4, [40, 300], 17),  # sliding window
-        # batch > 8: 256-token splits, a five-split context among short ones
-        (2, 1, 16, 4, [3 + 7 * i for i in range(71)] + [1100], None),
+        # batch > 8: 256-token splits, a five-split context among short ones (each program
+        # costs the interpreter milliseconds: nine sequences are enough to pass batch 8)
+        (2, 1, 16, 4, [3 + 7 * i for i in range(8)] + [1100], None),
     ],
 )
 @pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
@@ -131,20 +132,30 @@ def test_exponential_race_kernel_samples_what_the_torch_sampler_samples():
     temperature = torch.tensor([1.0, 0.7, 1.3, 0.0, 2.0, 1.0])
     seeds = torch.tensor([1, 2**40 + 5, 77, 9, 2**62 + 11, 123456789])
     steps = torch.tensor([0, 3, 17, 5, 1000, 2**33])
-    expected = sample(logits.clone(), SamplingTensors(
-        temperature=temperature, top_k=None, top_p=None, min_p=None, seeds=seeds, steps=steps,
-        all_greedy=False,
-    )).token_ids
-    got = triton_kernels.exponential_race(logits.to(DEVICE), temperature.to(DEVICE),
-                                          seeds.to(DEVICE), steps.to(DEVICE))
+    expected = sample(
+        logits.clone(),
+        SamplingTensors(
+            temperature=temperature,
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            seeds=seeds,
+            steps=steps,
+            all_greedy=False,
+        ),
+    ).token_ids
+    got = triton_kernels.exponential_race(
+        logits.to(DEVICE), temperature.to(DEVICE), seeds.to(DEVICE), steps.to(DEVICE)
+    )
     assert got.cpu().tolist() == expected.tolist()
     assert got[3].item() == logits[3].argmax().item()
     # The runner hands the knobs over as columns of [B, 3] tensors (one copy per dtype): the
     # kernel must follow their strides, not read row i's temperature at element i.
     floats = torch.stack([temperature, torch.full_like(temperature, 0.5), temperature * 0], 1)
     ints = torch.stack([torch.zeros_like(seeds), seeds, steps], 1)
-    strided = triton_kernels.exponential_race(logits.to(DEVICE), floats[:, 0].to(DEVICE),
-                                              ints[:, 1].to(DEVICE), ints[:, 2].to(DEVICE))
+    strided = triton_kernels.exponential_race(
+        logits.to(DEVICE), floats[:, 0].to(DEVICE), ints[:, 1].to(DEVICE), ints[:, 2].to(DEVICE)
+    )
     assert strided.cpu().tolist() == expected.tolist()
 
 
@@ -175,16 +186,22 @@ def test_race_kernels_report_rows_that_cannot_give_a_token():
     logits[5, 1500] = float("nan")  # in the middle chunk only
     logits[6, 2999] = float("inf")  # in the last, partial chunk
     usable = [True, True, True, True, False, False, False]
-    for kernel in (triton_kernels.greedy_argmax, partial(
-            triton_kernels.exponential_race, temperature=torch.full((7,), 0.8, device=DEVICE),
-            seeds=torch.arange(7, device=DEVICE), steps=torch.zeros(7, dtype=torch.int64,
-                                                                       device=DEVICE))):
+    for kernel in (
+        triton_kernels.greedy_argmax,
+        partial(
+            triton_kernels.exponential_race,
+            temperature=torch.full((7,), 0.8, device=DEVICE),
+            seeds=torch.arange(7, device=DEVICE),
+            steps=torch.zeros(7, dtype=torch.int64, device=DEVICE),
+        ),
+    ):
         ids, reported = kernel(logits.to(DEVICE), report=True)
         assert ids.cpu().tolist() == kernel(logits.to(DEVICE)).cpu().tolist()
         assert ((0 <= ids) & (ids < 3000)).all()
         assert [r != -1 for r in reported.cpu().tolist()] == usable
-        assert [r for r, ok in zip(reported.tolist(), usable, strict=True) if ok] == \
-            [i for i, ok in zip(ids.tolist(), usable, strict=True) if ok]
+        assert [r for r, ok in zip(reported.tolist(), usable, strict=True) if ok] == [
+            i for i, ok in zip(ids.tolist(), usable, strict=True) if ok
+        ]
 
 
 def test_the_sampler_reports_unusable_rows_on_every_path(monkeypatch):
@@ -196,10 +213,18 @@ def test_the_sampler_reports_unusable_rows_on_every_path(monkeypatch):
     logits[5, 1500] = float("nan")
     logits[6, 2999] = float("inf")
     expected_bad = [False, False, False, False, True, True, True]
-    settings = [sampler.SamplingTensors.greedy(), sampler.SamplingTensors(
-        temperature=torch.tensor([0.8, 0.0, 1.0, 0.5, 1.0, 0.7, 0.9]), top_k=None, top_p=None,
-        min_p=None, seeds=torch.arange(7), steps=torch.zeros(7, dtype=torch.int64),
-        all_greedy=False)]
+    settings = [
+        sampler.SamplingTensors.greedy(),
+        sampler.SamplingTensors(
+            temperature=torch.tensor([0.8, 0.0, 1.0, 0.5, 1.0, 0.7, 0.9]),
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            seeds=torch.arange(7),
+            steps=torch.zeros(7, dtype=torch.int64),
+            all_greedy=False,
+        ),
+    ]
     settings.append(dataclasses.replace(settings[1], top_k=torch.full((7,), 5)))
     for kernels in (False, True):
         if kernels:
@@ -229,8 +254,9 @@ def test_bitmask_kernel_matches_the_torch_unpacking():
 
     gen = torch.Generator().manual_seed(4)
     rows, vocab = 3, 5000
-    words = torch.randint(-(2**31), 2**31 - 1, (rows, bitmask_width(vocab)), generator=gen,
-                          dtype=torch.int64).to(torch.int32)
+    words = torch.randint(
+        -(2**31), 2**31 - 1, (rows, bitmask_width(vocab)), generator=gen, dtype=torch.int64
+    ).to(torch.int32)
     words[1] = -1  # a row with no grammar: all allowed
     logits = torch.randn(rows, vocab, generator=gen)
     bits = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)
@@ -300,8 +326,18 @@ def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
     kv = torch.zeros(2, 5, page_size, kv_heads, head_dim)
     config = rows and (rows, *triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.QKV][1:])
     got = triton_kernels.norm_qkv_rope_store(
-        x, norm_weight, 1e-5, qkv_weight, heads, kv_heads, cos, sin, torch.tensor([slot]),
-        kv[0], kv[1], config=config,
+        x,
+        norm_weight,
+        1e-5,
+        qkv_weight,
+        heads,
+        kv_heads,
+        cos,
+        sin,
+        torch.tensor([slot]),
+        kv[0],
+        kv[1],
+        config=config,
     )
     expected = torch.cat([q.flatten(), k.flatten(), v.flatten()])[None]
     assert rel_err(got, expected) < 1e-5
@@ -317,13 +353,13 @@ PREFIX = [0, 5, 9, 77, 31, 8, 2, 40, 13]  # two 4-token pages and one token
 
 @pytest.mark.parametrize(
     ("family", "config", "engine", "prompts"),
-    [("llama", {}, {}, [PREFIX[:5], [3]]),
-     ("llama", {"tie_word_embeddings": True}, {}, [PREFIX[:5], [3]]),
-     ("mistral", {"sliding_window": 6}, {}, [PREFIX[:5], [3]]),
-     # the second run prefills one token after 8 cached ones
-     ("llama", {}, {"enable_prefix_caching": True, "page_size": 4}, [PREFIX, PREFIX]),
-     ("qwen2", {}, {}, [PREFIX[:5], [3]])],
-    ids=["llama", "tied-embeddings", "sliding-window", "prefix-cached", "qwen2"],
+    [
+        ("mistral", {"sliding_window": 6, "tie_word_embeddings": True}, {}, [PREFIX[:5], [3]]),
+        # untied; the second run prefills one token after 8 cached ones
+        ("llama", {}, {"enable_prefix_caching": True, "page_size": 4}, [PREFIX, PREFIX]),
+        ("qwen2", {}, {}, [PREFIX[:5], [3]]),
+    ],
+    ids=["sliding-window-tied", "prefix-cached", "qwen2"],
 )
 def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
     tmp_path, monkeypatch, family, config, engine, prompts
@@ -348,10 +384,25 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
     _, want = run()
     launches = []
     monkeypatch.setattr(ops, "one_row_fusion", lambda x: x.shape[0] == 1)  # on the CPU too
+    # The interpreter's cost is per program: with 128 rows per program (the tiny model's N are
+    # 64 to 384) a step takes 25 programs instead of 160. Several programs per projection and
+    # their row tails are the kernel tests' above.
+    monkeypatch.setattr(
+        triton_kernels,
+        "ROW_GEMV_CONFIGS",
+        {
+            triton_kernels.PLAIN: (128, 512, 8, 1),
+            triton_kernels.GLU: (128, 512, 8, 1),
+            triton_kernels.QKV: triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.QKV],
+        },
+    )
     for name in ("norm_qkv_rope_store", "norm_logits"):
         kernel = getattr(triton_kernels, name)
-        monkeypatch.setattr(triton_kernels, name, lambda *a, k=kernel, n=name, **kw:
-                            launches.append(n) or k(*a, **kw))
+        monkeypatch.setattr(
+            triton_kernels,
+            name,
+            lambda *a, k=kernel, n=name, **kw: launches.append(n) or k(*a, **kw),
+        )
     llm, got = run()
     model = llm.engine.runner.model
     fusable = family != "qwen2"
@@ -432,8 +483,7 @@ x, w = torch.randn(1, 64), torch.randn(32, 64)
 assert torch.allclose(tk.gemv(x, w, None, config=(4, 32, 4, 1)), x @ w.T, atol=1e-4)
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
@@ -453,15 +503,22 @@ def test_missing_triton_kernels_warn_once_and_fall_back(monkeypatch):
         ops._triton.cache_clear()
 
 
-@pytest.mark.parametrize("filters", [
-    {"top_p": [0.9, 0.5, 1.0, 0.95, 0.3, 0.99]},
-    {"top_k": [5, 1, 0, 40, 2, 3000]},
-    {"min_p": [0.05, 0.0, 0.2, 0.01, 0.5, 0.1]},
-    {"top_k": [50, 0, 7, 3, 0, 20], "top_p": [0.8, 0.9, 1.0, 0.6, 0.95, 0.7],
-     "min_p": [0.0, 0.02, 0.1, 0.0, 0.05, 0.0]},
-])
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"top_p": [0.9, 0.5, 1.0, 0.95, 0.3, 0.99]},
+        {"top_k": [5, 1, 0, 40, 2, 3000]},
+        {"min_p": [0.05, 0.0, 0.2, 0.01, 0.5, 0.1]},
+        {
+            "top_k": [50, 0, 7, 3, 0, 20],
+            "top_p": [0.8, 0.9, 1.0, 0.6, 0.95, 0.7],
+            "min_p": [0.0, 0.02, 0.1, 0.0, 0.05, 0.0],
+        },
+    ],
+)
 def test_filtered_sampling_through_the_race_kernel_picks_the_torch_paths_tokens(
-        monkeypatch, filters):
+    monkeypatch, filters
+):
     """With top-k / top-p / min-p the sampler filters in torch, then races the filtered logits
     in the fused kernel (at T = 1, as they are already scaled); that must be the token its
     elementwise noise path picks, greedy rows included, over a vocabulary of several chunks."""
@@ -475,9 +532,11 @@ def test_filtered_sampling_through_the_race_kernel_picks_the_torch_paths_tokens(
     for name, values in filters.items():
         knobs[name] = torch.tensor(values, dtype=torch.int64 if name == "top_k" else torch.float32)
     tensors = sampler.SamplingTensors(
-        temperature=torch.tensor([1.0, 0.7, 1.3, 0.0, 2.0, 1.0]), **knobs,
+        temperature=torch.tensor([1.0, 0.7, 1.3, 0.0, 2.0, 1.0]),
+        **knobs,
         seeds=torch.tensor([1, 2**40 + 5, 77, 9, 2**62 + 11, 123456789]),
-        steps=torch.tensor([0, 3, 17, 5, 1000, 2**33]), all_greedy=False,
+        steps=torch.tensor([0, 3, 17, 5, 1000, 2**33]),
+        all_greedy=False,
     )
     expected = sampler.sample(logits.clone(), tensors).token_ids
     raced = []
@@ -515,21 +574,36 @@ def test_seeded_sampling_through_the_race_kernels_ignores_the_batch(checkpoints,
         raced.append(args[0].shape[0])
         return triton_kernels.exponential_race(*args, **kwargs)
 
-    monkeypatch.setattr(sampler, "ops", SimpleNamespace(
-        use_triton=lambda x: True, exponential_race=race,
-        greedy_argmax=triton_kernels.greedy_argmax))
+    monkeypatch.setattr(
+        sampler,
+        "ops",
+        SimpleNamespace(
+            use_triton=lambda x: True,
+            exponential_race=race,
+            greedy_argmax=triton_kernels.greedy_argmax,
+        ),
+    )
     llm = checkpoints.llm("llama")
     prompts = [[0, 5, 9, 77, 100, 21], list(range(40, 60)), [3, 14, 15, 92, 65]]
-    others = [SamplingParams(temperature=1.3, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=0.5, top_k=5, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=3)]
-    for target in (SamplingParams(temperature=0.8, seed=77, max_tokens=12, ignore_eos=True),
-                   SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=77, max_tokens=12,
-                                  ignore_eos=True)):
-        alone = llm.generate([prompts[0]], target)[0].token_ids
-        for mix, index in (([others[0], target, others[1]], 1), ([*others, target], 3),
-                           ([others[2], target], 1)):
-            batch = [prompts[(i + 1) % 3] for i in range(len(mix))]
-            batch[index] = prompts[0]
-            assert llm.generate(batch, mix)[index].token_ids == alone
+    # Every row of every step costs the interpreter ~0.1 s: six tokens, and both targets in
+    # each batch, at other places, among others that finish before them or with them.
+    others = [
+        SamplingParams(temperature=1.3, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.5, top_k=5, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=2),
+    ]
+    targets = (
+        SamplingParams(temperature=0.8, seed=77, max_tokens=6, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=50, seed=77, max_tokens=6, ignore_eos=True
+        ),
+    )
+    alone = [llm.generate([prompts[0]], target)[0].token_ids for target in targets]
+    for mix, places in (
+        ([others[0], targets[0], others[1], targets[1]], (1, 3)),
+        ([targets[1], others[2], targets[0]], (2, 0)),
+    ):
+        batch = [prompts[0] if i in places else prompts[1 + i % 2] for i in range(len(mix))]
+        outputs = llm.generate(batch, mix)
+        assert [outputs[i].token_ids for i in places] == alone
     assert max(raced) > 1  # the batches did go through the kernel together

@@ -10,7 +10,9 @@ weights in 16-byte loads, and the launches asked for programmatic dependent laun
 its griddepcontrol instructions (and no others).
 
 The compiles run in a child process: once the interpreter has run a kernel in a process, it
-leaves triton.language patched for itself.
+leaves triton.language patched for itself. The child starts as soon as the session's tests are
+collected (tests/conftest.py calls `start_in_background`), on the second core that the tests
+before these leave idle; the fixture waits for it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,47 +60,96 @@ def launches() -> dict[str, tuple]:
     x, norm = torch.zeros(1, hidden, **bf16), torch.ones(hidden, **bf16)
     calls = {
         "paged decode, batch 1 (two launches)": lambda: tk.paged_decode_attention(
-            torch.zeros(1, heads, head_dim, **bf16), kv[0], kv[1],
-            torch.zeros(1, 32, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0.1, 512),
+            torch.zeros(1, heads, head_dim, **bf16),
+            kv[0],
+            kv[1],
+            torch.zeros(1, 32, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64),
+            0.1,
+            512,
+        ),
         "paged decode, batch 64 (fused merge)": lambda: tk.paged_decode_attention(
-            torch.zeros(64, heads, head_dim, **bf16), kv[0], kv[1],
-            torch.zeros(64, 32, dtype=torch.int64), torch.ones(64, dtype=torch.int64), 0.1, 512),
-        "add + RMSNorm": lambda: tk.add_rms_norm(torch.zeros(4, hidden, **bf16),
-                                                 torch.zeros(4, hidden, **bf16), norm, 1e-5),
+            torch.zeros(64, heads, head_dim, **bf16),
+            kv[0],
+            kv[1],
+            torch.zeros(64, 32, dtype=torch.int64),
+            torch.ones(64, dtype=torch.int64),
+            0.1,
+            512,
+        ),
+        "add + RMSNorm": lambda: tk.add_rms_norm(
+            torch.zeros(4, hidden, **bf16), torch.zeros(4, hidden, **bf16), norm, 1e-5
+        ),
         "SiLU-mul": lambda: tk.silu_mul(torch.zeros(4, 2 * 14336, **bf16)),
         "RoPE + KV write": lambda: tk.rope_write_kv(
-            torch.zeros(4, heads, head_dim, **bf16), torch.zeros(4, kv_heads, head_dim, **bf16),
-            torch.zeros(4, kv_heads, head_dim, **bf16), torch.ones(4, head_dim),
-            torch.zeros(4, head_dim), torch.zeros(4, dtype=torch.int64), kv[0], kv[1]),
+            torch.zeros(4, heads, head_dim, **bf16),
+            torch.zeros(4, kv_heads, head_dim, **bf16),
+            torch.zeros(4, kv_heads, head_dim, **bf16),
+            torch.ones(4, head_dim),
+            torch.zeros(4, head_dim),
+            torch.zeros(4, dtype=torch.int64),
+            kv[0],
+            kv[1],
+        ),
         "exponential race": lambda: tk.exponential_race(
-            torch.zeros(2, 128256), torch.ones(2), torch.zeros(2, dtype=torch.int64),
-            torch.zeros(2, dtype=torch.int64)),
+            torch.zeros(2, 128256),
+            torch.ones(2),
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64),
+        ),
         "greedy argmax": lambda: tk.greedy_argmax(torch.zeros(2, 128256)),
         "exponential race, reporting rows": lambda: tk.exponential_race(
-            torch.zeros(2, 128256), torch.ones(2), torch.zeros(2, dtype=torch.int64),
-            torch.zeros(2, dtype=torch.int64), report=True),
+            torch.zeros(2, 128256),
+            torch.ones(2),
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64),
+            report=True,
+        ),
         "greedy argmax, reporting rows": lambda: tk.greedy_argmax(
-            torch.zeros(2, 128256), report=True),
+            torch.zeros(2, 128256), report=True
+        ),
         "pending tokens": lambda: tk.take_pending(
-            torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64),
-            torch.zeros(8, dtype=torch.int64)),
+            torch.zeros(8, dtype=torch.int64),
+            torch.zeros(8, dtype=torch.int64),
+            torch.zeros(8, dtype=torch.int64),
+        ),
         "grammar bitmask": lambda: tk.apply_token_bitmask_(
-            torch.zeros(2, 128256), torch.zeros(2, 4008, dtype=torch.int32)),
+            torch.zeros(2, 128256), torch.zeros(2, 4008, dtype=torch.int32)
+        ),
         "one-row o_proj + residual": lambda: tk.gemv(
-            torch.zeros(1, heads * head_dim, **bf16), torch.zeros(hidden, heads * head_dim, **bf16),
-            x),
+            torch.zeros(1, heads * head_dim, **bf16),
+            torch.zeros(hidden, heads * head_dim, **bf16),
+            x,
+        ),
         "one-row down, K not a tile multiple": lambda: tk.gemv(
-            torch.zeros(1, 14000, **bf16), torch.zeros(hidden, 14000, **bf16), x),
+            torch.zeros(1, 14000, **bf16), torch.zeros(hidden, 14000, **bf16), x
+        ),
         "one-row norm + gate/up + SiLU-mul": lambda: tk.norm_glu(
-            x, norm, 1e-5, torch.zeros(2 * 14336, hidden, **bf16)),
+            x, norm, 1e-5, torch.zeros(2 * 14336, hidden, **bf16)
+        ),
         "one-row norm + qkv + RoPE + KV write": lambda: tk.norm_qkv_rope_store(
-            x, norm, 1e-5, torch.zeros((heads + 2 * kv_heads) * head_dim, hidden, **bf16), heads,
-            kv_heads, cos, sin, torch.zeros(1, dtype=torch.int64), kv[0], kv[1]),
+            x,
+            norm,
+            1e-5,
+            torch.zeros((heads + 2 * kv_heads) * head_dim, hidden, **bf16),
+            heads,
+            kv_heads,
+            cos,
+            sin,
+            torch.zeros(1, dtype=torch.int64),
+            kv[0],
+            kv[1],
+        ),
         "one-row norm + LM head": lambda: tk.norm_logits(
-            x, norm, 1e-5, torch.zeros(128256, hidden, **bf16)),
+            x, norm, 1e-5, torch.zeros(128256, hidden, **bf16)
+        ),
     }
-    pdl = ("paged decode, batch 1 (two launches)", "paged decode, batch 64 (fused merge)",
-           "one-row norm + qkv + RoPE + KV write", "one-row o_proj + residual")
+    pdl = (
+        "paged decode, batch 1 (two launches)",
+        "paged decode, batch 64 (fused merge)",
+        "one-row norm + qkv + RoPE + KV write",
+        "one-row o_proj + residual",
+    )
     found = {}
     try:
         for name, call in [*calls.items(), *((f"{n} with PDL", calls[n]) for n in pdl)]:
@@ -113,8 +165,15 @@ def launches() -> dict[str, tuple]:
     return found
 
 
-TYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
-         "torch.int64": "i64", "torch.int32": "i32", "torch.uint8": "u8", "torch.bool": "i1"}
+TYPES = {
+    "torch.bfloat16": "bf16",
+    "torch.float16": "fp16",
+    "torch.float32": "fp32",
+    "torch.int64": "i64",
+    "torch.int32": "i32",
+    "torch.uint8": "u8",
+    "torch.bool": "i1",
+}
 
 
 def compile_launch(kernel, args, kwargs, tmp: Path) -> dict:
@@ -145,12 +204,19 @@ def compile_launch(kernel, args, kwargs, tmp: Path) -> dict:
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = tmp / f"{kernel.__name__}.ptx"
     ptx.write_text(compiled.asm["ptx"])
-    done = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", tmp / "kernel.cubin"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", tmp / "kernel.cubin"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     text = ptx.read_text()
-    return {"kernel": kernel.__name__, "ptxas": done.stderr,
-            "v4_loads": len(re.findall(r"ld\.global\S*\.v4\.", text)),
-            "pdl": "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text}
+    return {
+        "kernel": kernel.__name__,
+        "ptxas": done.stderr,
+        "v4_loads": len(re.findall(r"ld\.global\S*\.v4\.", text)),
+        "pdl": "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text,
+    }
 
 
 def compile_all() -> dict[str, dict]:
@@ -158,16 +224,38 @@ def compile_all() -> dict[str, dict]:
         return {name: compile_launch(*launch, Path(tmp)) for name, launch in launches().items()}
 
 
+_child: tuple[subprocess.Popen, str] | None = None
+
+
+def start_in_background() -> subprocess.Popen | None:
+    """Start the child that compiles every launch (this file run as a script), once."""
+    global _child
+    if _child is None and PTXAS.exists():
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cache = tempfile.mkdtemp(prefix="triton-cache-")  # compile afresh
+        env["TRITON_CACHE_DIR"] = cache
+        process = subprocess.Popen(
+            [sys.executable, __file__],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        _child = (process, cache)
+    return _child[0] if _child else None
+
+
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[str, dict]:
+def reports() -> dict[str, dict]:
     if not PTXAS.exists():
         pytest.skip("this triton wheel has no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))  # compile afresh
-    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    process = start_in_background()  # already running, unless this module was not collected
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        shutil.rmtree(_child[1], ignore_errors=True)
+    assert process.returncode == 0, stderr[-3000:]
+    return json.loads(stdout)
 
 
 def test_every_kernel_compiles_for_sm90_without_spills(reports):

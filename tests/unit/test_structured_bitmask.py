@@ -50,8 +50,16 @@ def matchers_at_various_states(compiler, tokenizer):
     return out
 
 
-def test_bit_order_matches_llguidance_torch_helper():
+def test_bit_order_matches_llguidance_torch_helper(monkeypatch):
     llguidance_torch = pytest.importorskip("llguidance.torch")
+    # llguidance's own kernel as written, not torch.compile'd: an Inductor build of it took
+    # seconds of the CPU tier for the same arithmetic.
+    kernel = llguidance_torch.apply_token_bitmask_inplace_kernel
+    monkeypatch.setattr(
+        llguidance_torch,
+        "apply_token_bitmask_inplace_kernel",
+        getattr(kernel, "_torchdynamo_orig_callable", kernel),
+    )
     generator = torch.Generator().manual_seed(0)
     for vocab in (31, 32, 33, 1000):
         words = bitmask_width(vocab)
