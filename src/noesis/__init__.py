@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineConfig": "noesis.engine.engine",
     "SamplingParams": "noesis.sampling.params",
     "RequestOutput": "noesis.engine.outputs",
+    "SpeculativeConfig": "noesis.speculative.config",
     **{
         name: "noesis.errors"
         for name in (
@@ -28,7 +29,8 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "NoesisError",
+    "LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "SpeculativeConfig",
+    "NoesisError",
     "InvalidRequest", "InvalidSamplingParams", "PromptTooLong", "ModelNotFound",
     "UnsupportedModel", "CheckpointError", "CheckpointMismatch", "ChatTemplateError",
     "ConfigError", "OutOfKVCache", "InvalidModelConfig",
@@ -61,3 +63,4 @@ if TYPE_CHECKING:
     )
     from noesis.llm import LLM
     from noesis.sampling.params import SamplingParams
+    from noesis.speculative.config import SpeculativeConfig

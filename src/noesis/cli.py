@@ -1,9 +1,8 @@
-"""The `noesis` command: generate, chat, info, serve, eval."""
+"""The `noesis` command: generate, chat, info, serve, eval, bench, replay."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -48,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
     _add_sampling_args(gen)
+    _add_speculative_args(gen)
+    _add_trace_args(gen)
     gen.set_defaults(handler=_generate)
 
     chat = sub.add_parser("chat", help="chat with the model (interactive unless MESSAGE is given)")
@@ -56,9 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system message placed before the conversation")
     chat.add_argument(
         "--tools",
-        help="Harmony models: 'builtin' (noesis-tiny's calculator, convert_units, day_of_week, "
-        "lookup_country; run for real), 'none', or comma-separated built-in tool names "
-        "(default: all seven built-in tools for the bundled models, else none)",
+        help="models with tool syntax: 'builtin' (noesis-tiny's calculator, convert_units, "
+        "day_of_week, lookup_country; run for real), 'none', or comma-separated built-in tool "
+        "names (default: all seven built-in tools for the bundled models, else none)",
     )
     chat.add_argument(
         "--unconstrained", action="store_true",
@@ -71,16 +72,43 @@ def _parser() -> argparse.ArgumentParser:
         "tool's worker process is killed then; default: the tool executor's, 30)",
     )
     _add_sampling_args(chat)
+    _add_speculative_args(chat)
+    _add_trace_args(chat)
+    _add_template_args(chat)
     chat.set_defaults(handler=_chat)
 
     info = sub.add_parser("info", help="architecture, parameter count, dtype and memory")
     _add_model_args(info)
+    info.add_argument(
+        "--timings", action="store_true",
+        help="load the model on the device, warm it up and run a short generation: print the "
+        "timing buckets (cold load: setup and weights, graph capture, warm-up, prefill, decode, "
+        "host overhead per step)",
+    )
     info.set_defaults(handler=_info)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions)")
     _add_model_args(serve)
     _add_serve_args(serve)
+    _add_speculative_args(serve)
+    _add_trace_args(serve)
+    _add_template_args(serve)
     serve.set_defaults(handler=_serve)
+
+    bench = sub.add_parser(
+        "bench", help="measure latency, throughput and telemetry overhead (or load a server)")
+    _add_model_args(bench)
+    _add_bench_args(bench)
+    bench.set_defaults(handler=_bench)
+
+    replay = sub.add_parser(
+        "replay", help="replay a --deterministic trace; exit 0 when every token matches")
+    replay.add_argument("trace", help="the trace file (--trace PATH of generate, chat, serve)")
+    replay.add_argument("--model", "-m", help="the model (default: the path in the trace; its "
+                        "hash must match the trace's)")
+    replay.add_argument("--device", help="default: the trace's device")
+    replay.add_argument("--json", help="also write the report here")
+    replay.set_defaults(handler=_replay)
 
     evaluate = sub.add_parser("eval", help="evaluate a model (eval tools: tool use)")
     evals = evaluate.add_subparsers(title="evaluations", metavar="EVAL")
@@ -88,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     tools = evals.add_parser("tools", help="tool use on held-out noesis-tiny conversations")
     _add_model_args(tools)
     _add_eval_tools_args(tools)
+    _add_speculative_args(tools, draft_flag=False)  # --draft is eval tools' own (see there)
     tools.set_defaults(handler=_eval_tools)
     return parser
 
@@ -101,6 +130,42 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument(
+        "--telemetry", metavar="PATH",
+        help="write per-step and per-request telemetry here as JSON lines (device time, batch "
+        "fill, bytes moved, graph or eager, verify rate, per-token signals)",
+    )
+
+
+def _add_trace_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("deterministic replay")
+    group.add_argument(
+        "--deterministic", action="store_true",
+        help="record a trace (model hashes, seeds, every step's batch and tokens) that "
+        "`noesis replay` reproduces token for token; needs --trace",
+    )
+    group.add_argument("--trace", metavar="PATH", help="where --deterministic writes its trace")
+
+
+def _add_bench_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("bench")
+    group.add_argument("--prompt-len", type=_int_in(1, COUNT_MAX), default=128)
+    group.add_argument("--gen-len", type=_int_in(2, COUNT_MAX), default=128)
+    group.add_argument("--batches", default="1,8,64", help="offline throughput batch sizes")
+    group.add_argument("--repeats", type=_int_in(1, 100), default=3, help="latency runs")
+    group.add_argument(
+        "--overhead", metavar="BATCHES",
+        help="also measure telemetry's cost per decode step at these batch sizes (e.g. 1,64)")
+    group.add_argument("--overhead-steps", type=_int_in(1, COUNT_MAX), default=64)
+    group.add_argument("--max-num-seqs", type=_int_in(1, COUNT_MAX),
+                       help="engine batch cap (default: the largest batch asked)")
+    group.add_argument("--json", help="also write the report here")
+    load = parser.add_argument_group("against a running server (no model is loaded)")
+    load.add_argument("--url", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    load.add_argument("--requests", type=_int_in(1, COUNT_MAX), default=64)
+    load.add_argument("--concurrency", type=_int_in(1, 4096), default=8)
+    load.add_argument("--timeout", type=_seconds, default=120.0, help="seconds per request")
+    load.add_argument("--api-key", default=os.environ.get("NOESIS_API_KEY"))
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +181,51 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
+
+
+def _add_speculative_args(parser: argparse.ArgumentParser, draft_flag: bool = True) -> None:
+    group = parser.add_argument_group("speculative decoding (off unless a method is given)")
+    group.add_argument(
+        "--speculative-method", choices=("draft", "ngram"),
+        help="'draft': a smaller model sharing the tokenizer proposes tokens (--draft); "
+        "'ngram': prompt lookup proposes what followed the last tokens earlier in the text. "
+        "Greedy output is unchanged; sampled output keeps the model's distribution",
+    )
+    if draft_flag:
+        group.add_argument(
+            "--draft", help="the draft checkpoint of --speculative-method draft (default for "
+            "the bundled noesis-tiny: the bundled noesis-tiny-draft)",
+        )
+    group.add_argument(
+        "--num-speculative-tokens", type=_int_in(1, 16), metavar="K",
+        help="most tokens proposed per step; the depth adapts below it (default 4)",
+    )
+
+
+def _speculative(args: argparse.Namespace):
+    """The SpeculativeConfig the flags ask for, or None (speculation off)."""
+    from noesis.errors import ConfigError
+
+    method, k = args.speculative_method, args.num_speculative_tokens
+    if method is None:
+        if k is not None:
+            raise ConfigError("--num-speculative-tokens needs --speculative-method")
+        return None
+    from noesis.speculative import SpeculativeConfig
+
+    draft = None
+    if method == "draft":
+        draft = args.draft or _bundled_draft(args)
+    return SpeculativeConfig(method=method, draft=draft, k=k if k is not None else 4)
+
+
+def _bundled_draft(args: argparse.Namespace) -> str:
+    if Path(_model_arg(args)).resolve() == BUNDLED_MODEL and BUNDLED_MODELS[1].is_dir():
+        return str(BUNDLED_MODELS[1])
+    from noesis.errors import ConfigError
+
+    raise ConfigError("--speculative-method draft needs --draft (a checkpoint sharing the "
+                      "model's tokenizer); only the bundled noesis-tiny has a default draft")
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -239,15 +349,27 @@ def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--n", type=int, default=200, help="conversations (default 200)")
     parser.add_argument("--corpus-seed", type=int, default=1234, help="corpus seed (default 1234)")
-    parser.add_argument("--draft", help="a draft model: also measure draft/target agreement")
+    parser.add_argument(
+        "--draft", help="a draft model: measure its greedy agreement with the target; with "
+        "--speculative-method draft the engine also speculates with it (default there: the "
+        "bundled noesis-tiny-draft for the bundled model)",
+    )
     parser.add_argument("--temperature", "-t", type=float, help="also a sampled run at this T")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled run (default 0)")
     parser.add_argument("--max-tokens", type=int, default=128, help="per generation (default 128)")
     parser.add_argument("--json", help="also write the report (with per-example scores) here")
     parser.add_argument(
-        "--constraint", choices=("harmony",),
+        "--constraint", choices=("harmony", "grounded"),
         help="sample under a grammar: 'harmony' = well-formed turns, tool arguments valid for "
-        "the tool's schema (default: unconstrained, the baseline)",
+        "the tool's schema; 'grounded' = the same with grounded arguments copied from the "
+        "user's words, as `noesis chat` and the server decode (default: unconstrained)",
+    )
+    parser.add_argument(
+        "--controller", choices=("default", "none", "think-budget"),
+        help="steer every generation with a control policy (noesis.control): 'default' = the Φ "
+        "controller and emit-vs-tool through the turn grammar (use with --constraint); 'none' = "
+        "the same loop with the request's own knobs; 'think-budget' = the first turn's analysis "
+        "capped at 8 tokens (default: no controller)",
     )
 
 
@@ -265,7 +387,52 @@ def _load(args: argparse.Namespace):
     from noesis.llm import LLM
 
     options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    speculative = _speculative(args)
+    if speculative is not None:
+        options["speculative"] = speculative
+    options.update(_recording(args))
+    options.update(_template_options(args))
     return LLM(_model_arg(args), device=args.device, dtype=args.dtype, **options)
+
+
+def _add_template_args(parser: argparse.ArgumentParser) -> None:
+    from noesis.dialects import NAMES
+
+    parser.add_argument(
+        "--chat-template", metavar="FILE",
+        help="a Jinja chat template file to use instead of the checkpoint's own",
+    )
+    parser.add_argument(
+        "--tool-dialect", choices=NAMES,
+        help="how the model writes tool calls, where its template does not show it (default: "
+        "detected from the template and vocabulary)",
+    )
+
+
+def _template_options(args: argparse.Namespace) -> dict:
+    """LLM / ServeConfig options of --chat-template and --tool-dialect (commands without them
+    give none)."""
+    options = {}
+    path = getattr(args, "chat_template", None)
+    if path is not None:
+        from noesis.errors import ConfigError
+
+        try:
+            options["chat_template"] = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template: cannot read {path}: {exc}") from exc
+    if getattr(args, "tool_dialect", None) is not None:
+        options["tool_dialect"] = args.tool_dialect
+    return options
+
+
+def _recording(args: argparse.Namespace) -> dict:
+    """EngineConfig options of --telemetry, --deterministic and --trace."""
+    options = {"telemetry": args.telemetry} if args.telemetry else {}
+    deterministic, trace = getattr(args, "deterministic", False), getattr(args, "trace", None)
+    if deterministic or trace:
+        options.update(deterministic=True, trace=trace)
+    return options
 
 
 def _sampling(args: argparse.Namespace):
@@ -283,7 +450,10 @@ def _generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     llm = _load(args)
-    _stream_to_terminal(llm.stream(prompt, params))
+    try:
+        _stream_to_terminal(llm.stream(prompt, params))
+    finally:
+        llm.engine.close()  # telemetry and trace files flushed
     return 0
 
 
@@ -304,6 +474,13 @@ def _chat(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"--tool-timeout must be in (0, 1e9] seconds, got {args.tool_timeout}")
     llm = _load(args)
+    try:
+        return _chat_loop(args, llm, params)
+    finally:
+        llm.engine.close()  # telemetry and trace files flushed
+
+
+def _chat_loop(args: argparse.Namespace, llm, params) -> int:
     reply = _chat_reply(args, llm, params)
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
@@ -328,36 +505,33 @@ def _chat(args: argparse.Namespace) -> int:
 def _chat_reply(args: argparse.Namespace, llm, params):
     """The function that answers one user message: Harmony display (and built-in tools) for a
     Harmony model, plain streamed text otherwise."""
+    from noesis import chat
     from noesis.errors import InvalidRequest
-    from noesis.tiny import chat
-    from noesis.tiny import tools as tiny_tools
+    from noesis.tools.builtin import DECLARATION_ORDER
+    from noesis.tools.executor import ToolExecutor
 
-    if not chat.is_harmony(llm.tokenizer):
+    turns = None if llm.harmony is not None else llm.turn_format  # a text dialect's
+    if llm.harmony is None and (turns is None or not turns.has_calls):
         if args.tools not in (None, "none"):
-            raise InvalidRequest("--tools needs a Harmony model (one with <|start|>, <|channel|>)")
-        return lambda history, message: _reply(llm, history, message, params)
+            raise InvalidRequest(
+                "--tools needs a Harmony model or a tool-call dialect: this model's chat "
+                "template shows no tool syntax noesis knows (name one with --tool-dialect "
+                "hermes, llama3_json or mistral)"
+            )
+        if turns is None:
+            return lambda history, message: _reply(llm, history, message, params)
     bundled = Path(_model_arg(args)).resolve() in BUNDLED_MODELS
     # The bundled models get every built-in tool they know, in the order they use best.
-    default = ",".join(tiny_tools.DECLARATION_ORDER) if bundled else "none"
-    declared = chat.tool_declarations(args.tools or default)
-    executor = chat.builtin_executor()
-    if args.tool_timeout is not None:
-        from noesis.tools.executor import ToolExecutor
-
-        executor = ToolExecutor(executor.registry, timeout_s=args.tool_timeout)
+    default = ",".join(DECLARATION_ORDER) if bundled else "none"
+    tools = chat.tool_registry(args.tools or default)
+    timeout = {} if args.tool_timeout is None else {"timeout_s": args.tool_timeout}
+    executor = ToolExecutor(**timeout)
     display = chat.Display()
-
-    from noesis.structured.harmony_grammar import harmony_turn_spec
 
     def reply(history: list[dict], message: str) -> None:
         history.append({"role": "user", "content": message})
-        turn = params
-        if not args.unconstrained:
-            # Built per user message: grounded tool arguments copy this conversation's user
-            # words (the tool rounds within the turn add none).
-            grammar = harmony_turn_spec(declared or None, messages=history)
-            turn = dataclasses.replace(params, grammar=grammar)
-        chat.run_turn(llm, history, declared, turn, display, executor=executor)
+        chat.reply(llm, history, tools, display, executor=executor, params=params,
+                   constrained=not args.unconstrained)  # fmt: skip
 
     return reply
 
@@ -380,15 +554,20 @@ def _eval_tools(args: argparse.Namespace) -> int:
     sampled = None if args.temperature is None else SamplingParams(temperature=args.temperature)
     config = EvalConfig(
         split=args.split, n=args.n, corpus_seed=args.corpus_seed, max_tokens=args.max_tokens,
-        sampled=sampled, seed=args.seed, constraint=args.constraint,
+        sampled=sampled, seed=args.seed, constraint=args.constraint, controller=args.controller,
     )
     # Passes 2 and 3 repeat pass 1's prompt: prefix caching skips most of their prefill.
-    options = {"progress": False, "enable_prefix_caching": True}
+    options = {"progress": False, "enable_prefix_caching": True, **_recording(args)}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
-    llm = LLM(_model_arg(args), device=args.device, dtype=args.dtype, **options)
     draft = LLM(args.draft, device=args.device, dtype=args.dtype, **options) if args.draft else None
+    speculative = _speculative(args)
+    if speculative is not None:
+        options["speculative"] = speculative
+    llm = LLM(_model_arg(args), device=args.device, dtype=args.dtype, **options)
     report = evaluate_tools(llm, config, draft)
+    if llm.engine.speculator is not None:
+        report["speculative"] = llm.engine.speculator.summary()
     meta = {
         "command": "noesis " + shlex.join(args.argv),
         "model": _model_arg(args),
@@ -397,9 +576,22 @@ def _eval_tools(args: argparse.Namespace) -> int:
         "dtype": str(llm.engine.loaded.dtype).removeprefix("torch."),
     }
     print(format_report(report, _eval_header(meta, report)))
+    if "speculative" in report:
+        print(_speculative_line(report["speculative"]))
     if args.json:
         Path(args.json).write_text(json.dumps({**meta, **report}, indent=2) + "\n")
     return 0
+
+
+def _speculative_line(spec: dict) -> str:
+    rate, per_verify = spec["acceptance"], spec["tokens_per_verify"]
+    return (
+        f"\nspeculative decoding ({spec['method']}, k={spec['k']}): acceptance "
+        f"{'-' if rate is None else f'{100 * rate:.1f}%'} ({spec['accepted']}/{spec['proposed']} "
+        f"proposed tokens), {'-' if per_verify is None else f'{per_verify:.2f}'} tokens per "
+        f"verify row over {spec['verify_rows']} rows; requests excluded: "
+        f"{spec['excluded_grammar']} with a grammar, {spec['excluded_logprobs']} with logprobs"
+    )
 
 
 def _eval_header(meta: dict, report: dict) -> str:
@@ -414,7 +606,115 @@ def _info(args: argparse.Namespace) -> int:
 
     for key, value in describe_checkpoint(_model_arg(args), args.dtype, args.device).items():
         print(f"{key:<24}{value}")
+    if args.timings:
+        _print_timings(args)
     return 0
+
+
+TIMING_LABELS = {
+    "load_s": "cold load", "prepare_s": "  config, tokenizer, skeleton",
+    "weights_s": "  weights read and placed",
+    "capture_s": "graph capture", "warmup_s": "warm-up", "prefill_s": "prefill (device)",
+    "decode_s": "decode (device)", "host_s": "host overhead",
+}
+
+
+def _print_timings(args: argparse.Namespace) -> None:
+    """Load, warm up, then a 64-token prompt and 32 new tokens: the timing buckets."""
+    from noesis.engine.engine import Engine, EngineConfig
+    from noesis.sampling.params import SamplingParams
+    from noesis.telemetry.bench import prompt_ids
+
+    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    config = EngineConfig(device=args.device, dtype=args.dtype, progress=False,
+                          telemetry=args.telemetry or True, **options)
+    engine = Engine(_model_arg(args), config)
+    engine.warm_up()
+    prompt = prompt_ids(engine, min(64, engine.max_model_len // 2), 0)
+    new = max(1, min(32, engine.max_model_len - len(prompt)))
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    buckets = engine.timing_buckets()
+    engine.close()
+    print(f"timings ({engine.device}; prefill and decode of a {len(prompt)}-token prompt and "
+          f"{new} new tokens over {buckets['steps']} steps)")
+    for key, label in TIMING_LABELS.items():
+        if key in buckets:
+            per_step = f"  ({1e3 * buckets[key] / buckets['steps']:.3f} ms per step)" \
+                if key == "host_s" and buckets["steps"] else ""
+            print(f"  {label:<28}{buckets[key]:.4f} s{per_step}")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from noesis.telemetry import bench
+
+    if args.url:
+        report = bench.run_server_load(bench.LoadConfig(
+            url=args.url, requests=args.requests, concurrency=args.concurrency,
+            prompt_len=args.prompt_len, gen_len=args.gen_len, api_key=args.api_key,
+            timeout_s=args.timeout))
+        print(bench.format_load(report))
+    else:
+        report = _bench_offline(args, bench)
+        print(bench.format_offline(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _bench_offline(args: argparse.Namespace, bench) -> dict:
+    import shlex
+
+    from noesis.engine.engine import Engine, EngineConfig
+
+    batches = _int_list(args.batches, "--batches")
+    overhead = _int_list(args.overhead, "--overhead") if args.overhead else ()
+    config = bench.BenchConfig(prompt_len=args.prompt_len, gen_len=args.gen_len,
+                               batches=batches, repeats=args.repeats, overhead_batches=overhead,
+                               overhead_steps=args.overhead_steps)
+    largest = max((*batches, *overhead))
+    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    engine = Engine(_model_arg(args), EngineConfig(
+        device=args.device, dtype=args.dtype, progress=False, telemetry=args.telemetry or False,
+        max_num_seqs=args.max_num_seqs or largest, **options))
+    engine.warm_up()
+    report = {"command": "noesis " + shlex.join(args.argv), "model": _model_arg(args),
+              "device": str(engine.device),
+              "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+              **bench.run_offline(engine, config)}
+    engine.close()
+    return report
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    from noesis.errors import ConfigError
+
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} takes positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import json
+
+    from noesis.telemetry.replay import replay, report_dict
+
+    report = replay(args.trace, model=args.model, device=args.device)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_dict(report), indent=2) + "\n")
+    if report.ok:
+        print(f"replay: all {report.tokens} tokens of {report.requests} requests over "
+              f"{report.steps} steps match")
+        return 0
+    print(f"replay: {report.divergence.describe()}", file=sys.stderr)
+    return 1
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -434,6 +734,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, seed=args.seed,
         enable_prefix_caching=args.prefix_caching, overlap_steps=args.overlap_steps,
+        speculative=_speculative(args), **_recording(args),
     )
     names = [flag.replace("-", "_") for flag in _LIMIT_FLAGS]
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
@@ -445,6 +746,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, limits=RequestLimits(**given),
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+        **_template_options(args),
     )
     return serve(config)
 

@@ -5,20 +5,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from noesis.dialects import TurnFormat, TurnOptions
 from noesis.engine.engine import Engine, EngineConfig
 from noesis.engine.outputs import RequestOutput
 from noesis.errors import InvalidRequest
-from noesis.harmony.parser import parse_completion
+from noesis.harmony.parser import ParsedTurn
 from noesis.sampling.params import SamplingParams
-from noesis.session import AssistantTurn, Session
+from noesis.session import AssistantTurn, Session, Tokens, TurnRequest
 from noesis.session import ToolCall as SessionToolCall
 from noesis.tools import ToolExecutor
-from noesis.turns import harmony_encoding, new_call_id, turn_params
+from noesis.turns import harmony_encoding, new_call_id
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -31,13 +32,29 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].text
     """
 
-    def __init__(self, model: str, device: str = "auto", dtype: str = "auto", **options: Any):
+    def __init__(
+        self,
+        model: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        *,
+        tool_dialect: str | None = None,
+        chat_template: str | None = None,
+        **options: Any,
+    ):
+        """`tool_dialect` names the tool-call format (noesis.dialects.NAMES) where the template
+        does not show it; `chat_template` (Jinja text) replaces the checkpoint's template."""
         try:
             config = EngineConfig(device=device, dtype=dtype, **options)
         except TypeError as exc:
             raise InvalidRequest(f"unknown LLM option: {exc}") from exc
         self.engine = Engine(model, config)
         self.tokenizer = self.engine.tokenizer
+        if chat_template is not None:
+            self.tokenizer.set_chat_template(chat_template)
+        self.tool_dialect = tool_dialect
+        if tool_dialect is not None:
+            self.turn_format  # noqa: B018 - an unknown name fails here, not at the first turn
 
     @property
     def model_config(self):
@@ -84,29 +101,123 @@ class LLM:
         params: SamplingParams | None = None,
         response_format: dict | None = None,
         constrained: bool = True,
+        grounded: bool = True,
+        parallel_tool_calls: bool = True,
+        thinking_budget: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> AssistantTurn:
-        """One assistant turn of a Harmony model, parsed: analysis, tool calls or a final answer.
+        """One assistant turn, parsed: analysis (reasoning), tool calls or a final answer, in
+        the model's own format (Harmony, or a text dialect: noesis.dialects).
 
         With `constrained` (the default) the sampler can only produce a well-formed turn: tool
         arguments valid for the tool's JSON schema, the final free of tool syntax, the final in
-        `response_format` when given. `deterministic` means greedy with seed 0. Setting `cancel`
-        aborts the generation (finish_reason "cancelled")."""
-        encoding = self.harmony
-        if encoding is None:
-            raise InvalidRequest("generate_turn needs a Harmony model (this tokenizer has no "
-                                 "<|start|>/<|channel|>/<|message|> tokens); use chat() instead")
+        `response_format` when given; `grounded` arguments copy the user's words (off: their
+        plain schema). `parallel_tool_calls=False` allows one call per turn; `thinking_budget`
+        bounds a text dialect's `<think>` reasoning in tokens. `chat_template_kwargs` go to the
+        template (enable_thinking, documents, ...). `deterministic` means greedy with seed 0.
+        Setting `cancel` aborts the generation (finish_reason "cancelled")."""
+        prompt, turn = self._turn_inputs(
+            messages, tools, tool_choice, deterministic, params, response_format, constrained,
+            grounded, parallel_tool_calls, thinking_budget, chat_template_kwargs,
+        )  # fmt: skip
+        (out,) = self._run_to_completion(self._add_all([prompt], [turn]), False, cancel)
+        parsed = self._turn_format_for_turns().parse(out.token_ids, prompt)
+        return _assistant_turn(parsed, prompt, out.token_ids, out.finish_reason, out.token_metrics)
+
+    def generate_turns(
+        self, requests: Sequence[TurnRequest], cancel: threading.Event | None = None
+    ) -> list[AssistantTurn]:
+        """generate_turn for many conversations at once, batched (noesis.session.TurnRequest:
+        its options are generate_turn's keyword options)."""
+        inputs = [
+            self._turn_inputs(r.messages, r.tools, r.tool_choice, r.deterministic, **r.options)
+            for r in requests
+        ]
+        ids = self._add_all([prompt for prompt, _ in inputs], [turn for _, turn in inputs])
+        outputs = self._run_to_completion(ids, False, cancel)
+        fmt = self._turn_format_for_turns()
+        return [
+            _assistant_turn(
+                fmt.parse(out.token_ids, prompt), prompt, out.token_ids, out.finish_reason,
+                out.token_metrics,
+            )
+            for (prompt, _), out in zip(inputs, outputs, strict=True)
+        ]
+
+    def stream_turn(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None = None,
+        *,
+        tool_choice: str | dict = "auto",
+        deterministic: bool = False,
+        cancel: threading.Event | None = None,
+        **options: Any,
+    ) -> Generator[Any, None, AssistantTurn]:
+        """generate_turn, streamed: yields Tokens and the parser events they complete (Harmony's
+        event types, for every dialect), and returns the AssistantTurn. A Harmony turn ends once
+        its final answer closes (what a model runs on to is not part of it). Closing the
+        generator aborts the request."""
+        prompt, turn = self._turn_inputs(messages, tools, tool_choice, deterministic, **options)
+        fmt = self._turn_format_for_turns()
+        parser, parsed = fmt.stream_parser(prompt), ParsedTurn()
+        request_id = self.engine.add_request(prompt, turn, delta=True)
+        token_ids: list[int] = []
+        token_metrics: list = []
+        reason, finished = None, False
+        try:
+            while reason is None:
+                if cancel is not None and cancel.is_set():
+                    reason = "abort"
+                    break
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    token_ids += out.token_ids
+                    token_metrics += out.token_metrics or ()
+                    yield Tokens(list(out.token_ids))
+                    for event in parser.feed_all(out.token_ids):
+                        parsed.add(event)
+                        yield event
+                    finished = out.finished
+                    if finished:
+                        reason = out.finish_reason
+                    elif fmt.ends_at_final:
+                        reason = _final_closed(parsed)
+        finally:
+            if not finished:  # closed, cancelled, or the final answer ended the turn
+                self.engine.abort(request_id)
+        for event in parser.finish():
+            parsed.add(event)
+            yield event
+        return _assistant_turn(parsed, prompt, token_ids, reason, token_metrics)
+
+    def _turn_inputs(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None,
+        tool_choice: str | dict,
+        deterministic: bool,
+        params: SamplingParams | None = None,
+        response_format: dict | None = None,
+        constrained: bool = True,
+        grounded: bool = True,
+        parallel_tool_calls: bool = True,
+        thinking_budget: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt ids and SamplingParams of one assistant turn."""
+        fmt = self._turn_format_for_turns()
         base = params or SamplingParams(max_tokens=1024)
         if deterministic:
             base = dataclasses.replace(base, temperature=0.0, seed=0)
-        prompt = self.render_chat(messages, tools)
-        turn = turn_params(base, encoding, tools, tool_choice, response_format, constrained,
-                           messages)
-        (out,) = self._run_to_completion(self._add_all([prompt], [turn]), False, cancel)
-        parsed = parse_completion(encoding, out.token_ids)
-        calls = [SessionToolCall(new_call_id(), c.name, c.arguments) for c in parsed.tool_calls]
-        finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-        return AssistantTurn(parsed.analysis, calls, parsed.final, len(prompt),
-                             len(out.token_ids), "cancelled" if finish == "abort" else finish)
+        template_messages = fmt.template_messages(messages)
+        prompt = self.render_chat(template_messages, tools, **(chat_template_kwargs or {}))
+        options = TurnOptions(
+            tool_choice, response_format, messages if grounded else None,
+            thinking_budget=thinking_budget, parallel_tool_calls=parallel_tool_calls,
+        )  # fmt: skip
+        return prompt, fmt.params(base, prompt, tools, options, constrained)
 
     def session(self, **options: Any) -> Session:
         """A Session over this model: `session.generate(messages, tools=[...])` runs the tool
@@ -120,6 +231,14 @@ class LLM:
     def harmony(self):
         """The tokenizer's Harmony encoding (None: the model has no Harmony tokens)."""
         return harmony_encoding(self.tokenizer)
+
+    @functools.cached_property
+    def turn_format(self) -> TurnFormat | None:
+        """How this model writes tool calls and reasoning (None: no syntax noesis knows)."""
+        return TurnFormat.of(self.tokenizer, self.tool_dialect)
+
+    def _turn_format_for_turns(self) -> TurnFormat:
+        return self.turn_format or TurnFormat.plain(self.tokenizer)
 
     def render_chat(
         self,
@@ -188,6 +307,29 @@ class LLM:
         finally:
             bar.close()
         return [results[request_id] for request_id in ids]
+
+
+def _assistant_turn(
+    parsed: ParsedTurn,
+    prompt: list[int],
+    token_ids: list[int],
+    reason: str | None,
+    token_metrics: list | None = None,
+) -> AssistantTurn:
+    calls = [SessionToolCall(new_call_id(), c.name, c.arguments) for c in parsed.tool_calls]
+    finish = "tool_calls" if calls and reason == "stop" else reason or "stop"
+    return AssistantTurn(
+        parsed.analysis, calls, parsed.final, len(prompt), len(token_ids),
+        "cancelled" if finish == "abort" else finish, list(prompt), list(token_ids),
+        list(token_metrics or ()),
+    )  # fmt: skip
+
+
+def _final_closed(parsed: ParsedTurn) -> str | None:
+    """'stop' once the turn's final answer (a final-channel message to nobody) has closed."""
+    last = parsed.messages[-1] if parsed.messages else None
+    closed = last is not None and last.stop is not None
+    return "stop" if closed and last.channel == "final" and not last.recipient else None
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

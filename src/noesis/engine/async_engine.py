@@ -34,7 +34,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from noesis.engine.children import become_child
-from noesis.engine.engine import Engine, EngineConfig, EngineFault
+from noesis.engine.engine import Engine, EngineConfig, EngineFault, format_timings
 from noesis.engine.outputs import RequestOutput, merge_deltas
 from noesis.errors import NoesisError
 from noesis.sampling.params import SamplingParams
@@ -219,12 +219,17 @@ class EngineStats:
     isolated_steps: int = 0  # steps that failed and were re-run one sequence at a time
     request_errors: int = 0  # requests ended by a failure of their own
     grammar: dict[str, int] = field(default_factory=dict)  # the grammar compiler's stats()
+    speculative: dict[str, int] = field(default_factory=dict)  # Engine.spec_counts ({}: off)
+    telemetry: dict[str, tuple] = field(default_factory=dict)  # its histograms ({}: off)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineStats:
         scheduler, allocator, cache = engine.scheduler, engine.allocator, engine.prefix_cache
         return cls(
             grammar=engine.grammar_stats(),
+            speculative=engine.spec_counts,
+            telemetry=engine.observer.telemetry.snapshot()
+            if engine.observer is not None and engine.observer.telemetry is not None else {},
             compiling=engine.num_compiling,
             isolated_steps=engine.fault_counts["isolated_steps"],
             request_errors=engine.fault_counts["request_errors"],
@@ -513,6 +518,7 @@ def _engine_process_main(
     setup_logging(log_level)
     try:
         engine = Engine(model, config)
+        warm_up(engine)
         info = EngineInfo(engine.tokenizer, engine.max_model_len, config.max_num_seqs)
     except BaseException as exc:
         reports.send(("error", _pack_error(exc)))
@@ -524,6 +530,7 @@ def _engine_process_main(
         gc.freeze()  # the model and libraries stay: collections scan only what steps allocate
         try:
             EngineLoop(engine, pipes.receive, pipes.report, exit_on_fault=True).run()
+            engine.close()  # telemetry and trace files flushed
         except EngineFault:
             log.exception("engine fault: this engine process exits, the server starts another")
             logging.shutdown()
@@ -563,6 +570,15 @@ class _ChildPipes:
         except OSError:
             self.parent_gone = True
         return not self.parent_gone
+
+
+def warm_up(engine: Engine) -> None:
+    """Before serving: on CUDA, run one short request (first-call costs paid before the first
+    client's); either way, log the start-up timing buckets."""
+    if engine.device.type == "cuda":
+        engine.warm_up()
+    else:
+        log.info("engine ready: %s", format_timings(engine.timings))
 
 
 def setup_logging(level: str) -> None:

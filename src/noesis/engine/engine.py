@@ -10,8 +10,10 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +30,11 @@ from noesis.models.rope import RotaryEmbedding
 from noesis.runner.runner import LaunchedStep, ModelRunner
 from noesis.sampling.params import INT64_MAX, SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from noesis.speculative.config import SpeculativeConfig
+    from noesis.speculative.proposer import StepProposals
+    from noesis.telemetry.observer import EngineObserver
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,17 @@ class EngineConfig:
     overlap_steps: bool | None = None
     revision: str | None = None
     progress: bool = True
+    # Speculative decoding (noesis.speculative): a draft model or prompt lookup proposes tokens
+    # that one target forward verifies; greedy output is unchanged, sampled output keeps the
+    # target's distribution. None: off.
+    speculative: SpeculativeConfig | None = None
+    # Telemetry (noesis.telemetry): True collects per-step and per-request records in memory
+    # (RequestOutput.metrics, the server's histograms); a path also writes them as JSON lines.
+    telemetry: bool | str = False
+    # Deterministic replay: record a trace at `trace` (model hashes, seeds, every step's batch
+    # and tokens) that `noesis replay` reproduces token for token. A trace implies it.
+    deterministic: bool = False
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         # Sizes end up in int64 tensors: whole numbers below 2^63.
@@ -74,6 +92,20 @@ class EngineConfig:
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if not isinstance(self.telemetry, (bool, str)) or self.telemetry == "":
+            raise ConfigError(f"telemetry must be True, False or a file path, got "
+                              f"{self.telemetry!r}")
+        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
+            raise ConfigError(f"trace must be a file path, got {self.trace!r}")
+        if self.deterministic and self.trace is None:
+            raise ConfigError("deterministic mode records a trace: give its path (trace=PATH, "
+                              "--trace PATH)")
+        if self.speculative is not None:
+            from noesis.speculative.config import SpeculativeConfig
+
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ConfigError("speculative must be a noesis.SpeculativeConfig, got "
+                                  f"{type(self.speculative).__name__}")
 
 
 class Engine:
@@ -90,16 +122,29 @@ class Engine:
         rope = RotaryEmbedding(
             model_config.rope, model_config.max_position_embeddings, self.max_model_len, self.device
         )
+        if model_config.conv_layers and config.speculative is not None:
+            raise ConfigError("speculative decoding is not supported for models with short-"
+                              "convolution state (LFM2): it cannot step back over rejected "
+                              "proposals")
+        # Before the target's pool too: a draft model and its pool take their share first.
+        self.speculator = self._speculator() if config.speculative is not None else None
         num_pages = self._num_pages()
-        self.kv = KVPool(model_config, num_pages, config.page_size, self.loaded.dtype, self.device)
+        self.kv = KVPool(model_config, num_pages, config.page_size, self.loaded.dtype, self.device,
+                         max_num_seqs=config.max_num_seqs)
         self.allocator = PageAllocator(num_pages, config.page_size)
         # A length-dependent rope (dynamic NTK, longrope) rotates a prefix differently for
         # prompts of different lengths, so its pages cannot be shared between requests.
         length_dependent = model_config.rope.length_dependent
-        self.prefix_caching = config.enable_prefix_caching and not length_dependent
+        # A short-convolution layer's state (LFM2) is one per sequence, not per page: a
+        # sequence starting from cached pages would have none for them.
+        conv_state = bool(model_config.conv_layers)
+        self.prefix_caching = (config.enable_prefix_caching and not length_dependent
+                               and not conv_state)
         if config.enable_prefix_caching and not self.prefix_caching:
-            logger.warning("prefix caching is off: %s rope depends on the sequence length",
-                           model_config.rope.rope_type)
+            reason = (f"{model_config.rope.rope_type} rope depends on the sequence length"
+                      if length_dependent else "the short-convolution layers keep one state per "
+                      "sequence, which cached pages do not carry")
+            logger.warning("prefix caching is off: %s", reason)
         self.prefix_cache = PrefixCache(self.allocator) if self.prefix_caching else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
@@ -110,10 +155,15 @@ class Engine:
             self.loaded.model, self.kv, rope, self.device, self.max_model_len,
             max_num_seqs=config.max_num_seqs,
         )
-        self.timings = {"load_s": self.loaded.load_seconds, "capture_s": 0.0}
+        self.timings = {"load_s": self.loaded.load_seconds, **self.loaded.load_phases,
+                        "capture_s": 0.0, "warmup_s": 0.0}
         if self.device.type == "cuda" and config.cuda_graphs:
-            max_batch = config.max_graph_batch or min(config.max_num_seqs, 128)
+            # A graph row is one query token: a verify row takes 1 + k of them.
+            rows = 1 + (config.speculative.k if config.speculative is not None else 0)
+            max_batch = config.max_graph_batch or min(config.max_num_seqs * rows, 128)
             self.timings["capture_s"] = self.runner.capture_graphs(max_batch)
+            if self.speculator is not None:
+                self.timings["capture_s"] += self.speculator.capture_graphs(max_batch)
         self.overlap = config.overlap_steps if config.overlap_steps is not None else (
             self.device.type == "cuda"
         )
@@ -128,6 +178,65 @@ class Engine:
         self.fault_counts = {"isolated_steps": 0, "request_errors": 0}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        self.observer: EngineObserver | None = None
+        if config.telemetry or config.trace:
+            from noesis.telemetry.observer import EngineObserver
+
+            self.observer = EngineObserver.build(self)
+
+    def warm_up(self, new_tokens: int = 4) -> float:
+        """Run one short greedy request through prefill and decode before serving (first-call
+        costs paid, the allocator touched); books and returns its seconds. It is neither traced
+        nor in the telemetry."""
+        observer, self.observer = self.observer, None
+        if observer is not None and observer.trace is not None:  # a replay warms up here too
+            observer.trace.write({"kind": "warm_up", "step": observer.steps})
+        prompt_len = max(1, min(16, self.max_model_len // 2))
+        params = SamplingParams(temperature=0, ignore_eos=True,
+                                max_tokens=max(1, min(new_tokens, self.max_model_len - prompt_len)))
+        start = time.perf_counter()
+        try:
+            vocab = self.loaded.config.vocab_size
+            prompt = [(7 * index + 1) % vocab for index in range(prompt_len)]
+            self.add_request(prompt, params, request_id="noesis-warm-up", stream=False)
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.observer = observer
+        self.timings["warmup_s"] = time.perf_counter() - start
+        logger.info("engine warmed up: %s", format_timings(self.timings))
+        return self.timings["warmup_s"]
+
+    def timing_buckets(self) -> dict[str, float]:
+        """Start-up seconds (load: prepare and weights, graph capture, warm-up) and, with telemetry
+        on, the device seconds of prefill and decode steps and the host seconds of steps."""
+        buckets = dict(self.timings)
+        telemetry = self.observer.telemetry if self.observer is not None else None
+        if telemetry is not None:
+            totals = telemetry.totals
+            buckets.update(prefill_s=totals["prefill_gpu_ms"] / 1e3,
+                           decode_s=totals["decode_gpu_ms"] / 1e3,
+                           host_s=totals["host_ms"] / 1e3, steps=totals["steps"])
+        return buckets
+
+    def close(self) -> None:
+        """Flush and close the telemetry and trace files (the engine still works, unrecorded)."""
+        if self.observer is not None:
+            self.observer.close()
+            self.observer = None
+            self.runner.timing = False
+
+    def _speculator(self):
+        from noesis.speculative.speculator import Speculator
+
+        budget = self.config.kv_cache_memory or self._default_kv_budget()
+        return Speculator.build(self.config, self.loaded, self.max_model_len, budget)
+
+    @property
+    def spec_counts(self) -> dict[str, int]:
+        """Speculative decoding's counters (verify rows, proposed and accepted tokens, requests
+        excluded by reason); empty when it is off."""
+        return dict(self.speculator.counts) if self.speculator is not None else {}
 
     def _num_pages(self) -> int:
         cfg = self.config
@@ -189,6 +298,8 @@ class Engine:
         state = RequestState(seq, text, detok, stream=stream, delta=delta)
         if params.logprobs is not None:
             state.logprobs = []
+        if params.metrics:
+            state.token_metrics = []
         if params.grammar is None:
             self._admit(state, None)
             return seq.request_id
@@ -204,6 +315,8 @@ class Engine:
             state.seq.matcher = grammar.new_matcher()
         self.scheduler.add(state.seq)  # OutOfKVCache
         self._requests[state.seq.request_id] = state
+        if self.observer is not None:
+            self.observer.admitted(state)
 
     @property
     def num_compiling(self) -> int:
@@ -289,6 +402,9 @@ class Engine:
                 return None
             state = compiling[0]
         self.scheduler.finish(state.seq, FinishReason.ABORT)
+        self._release_speculation(state.seq)
+        if self.observer is not None:
+            self.observer.aborted(request_id)
         return state.output()
 
     def abort_all(self) -> list[RequestOutput]:
@@ -307,6 +423,18 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of the requests that advanced or finished.
+        (With telemetry on, the step's host time, less the device's, is booked.)"""
+        observer = self.observer
+        if observer is None:
+            return self._step()
+        start, blocked = time.perf_counter(), observer.blocked_ms
+        outputs = self._step()
+        host_ms = (time.perf_counter() - start) * 1e3 - (observer.blocked_ms - blocked)
+        observer.end_step(host_ms, idle=not self.has_unfinished())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step.
 
         With overlapped steps the step planned here is launched before the previous one is read
         back, so the host's work (planning, input preparation, detokenizing, outputs) runs
@@ -319,11 +447,14 @@ class Engine:
         if previous is not None and not self._can_overlap(previous):
             self._inflight = None
             return outputs + self._complete(previous)
-        plan = self.scheduler.schedule()
+        proposals, num_drafts = self._propose()
+        plan = self.scheduler.schedule(num_drafts)
+        if proposals is not None and any(item.num_draft for item in plan.scheduled):
+            plan.proposals = proposals
         launched = None
         if plan:
             try:
-                launched = self.runner.launch(plan, previous)
+                launched = self._launch(plan, previous)
             except Exception as exc:
                 return outputs + self._isolate(plan, previous, exc)
             self._lone_failures = 0
@@ -335,6 +466,22 @@ class Engine:
         if launched is not None and not self.overlap:
             outputs += self._complete(launched)
         return outputs + self._take_ended()
+
+    def _launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
+        launched = self.runner.launch(plan, previous)
+        if self.observer is not None:
+            self.observer.launched(launched)
+        return launched
+
+    def _propose(self) -> tuple[StepProposals | None, dict[int, int]]:
+        """This step's proposals (speculative decoding) and seq_id -> how many each may verify."""
+        if self.speculator is None:
+            return None, {}
+        return self.speculator.propose(self.scheduler.running, self.runner.sampling_tensors)
+
+    def _release_speculation(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def _isolate(
         self, plan: StepPlan, previous: LaunchedStep | None, error: Exception
@@ -349,7 +496,8 @@ class Engine:
         launched, culprits = [], []
         for item in plan.scheduled:
             try:
-                launched.append(self.runner.launch(StepPlan([item]), previous))
+                alone = StepPlan([item], proposals=plan.proposals)
+                launched.append(self._launch(alone, previous))
             except Exception as exc:
                 culprits.append((item.seq, exc))
         lone = len(plan.scheduled) == 1
@@ -375,48 +523,79 @@ class Engine:
         logger.warning("request %s failed: %s", request_id, message)
         self.fault_counts["request_errors"] += 1
         self.scheduler.finish(state.seq, FinishReason.ERROR)
+        self._release_speculation(state.seq)
         state.error = message
         try:
             state.append_text(state.detokenizer.flush(state.seq.token_ids))
         except Exception:  # the text so far is a courtesy; the error is what matters
             pass
+        if self.observer is not None:
+            self.observer.finished(state)
         self._ended.append(state.output())
 
     def _take_ended(self) -> list[RequestOutput]:
         ended, self._ended = self._ended, []
         return ended
 
-    @staticmethod
-    def _can_overlap(previous: LaunchedStep) -> bool:
+    def _can_overlap(self, previous: LaunchedStep) -> bool:
         """Whether the next step can be planned before `previous` is read back: not when one of
         its sequences needs the sampled token on the host to go on (its grammar state, its
-        penalty counts)."""
+        penalty counts, its next proposals) or the step verified proposals."""
+        if previous.spec_width:
+            return False
+        spec = self.speculator
         return not any(seq.matcher is not None or seq.params.needs_penalties
+                       or (spec is not None and spec.wants(seq))
                        for seq in previous.seqs if not seq.finished)
 
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step back and turn it into request outputs."""
         plan = launched.plan
         sampled = self.runner.fetch(launched)
+        observer = self.observer
+        if observer is not None:
+            lengths = {seq.seq_id: len(seq.token_ids) for seq in launched.seqs}
         self._drop_unusable_rows(launched, sampled)
-        took = self.scheduler.resolve(plan, {sid: tok.token_id for sid, tok in sampled.items()})
+        accepted = {sid: tok.accepted for sid, tok in sampled.items() if tok.accepted}
+        took = self.scheduler.resolve(
+            plan, {sid: tok.token_id for sid, tok in sampled.items()}, accepted
+        )
+        self._book_speculation(launched, sampled)
         self._advance_grammars(plan, sampled)
         requests = self._requests
         advanced = [requests[seq.request_id] for seq in took if seq.request_id in requests]
         for state in advanced:
             if state.logprobs is not None:
                 state.logprobs.append(sampled[state.seq.seq_id].logprobs)
+            if state.token_metrics is not None:  # one per token: none for accepted proposals
+                token = sampled[state.seq.seq_id]
+                state.token_metrics += [None] * len(token.accepted) + [token.metrics]
+                del state.token_metrics[len(state.seq.token_ids) - state.seq.prompt_len :]
         self._detokenize([s for s in advanced if s.incremental or s.seq.finished])
+        if observer is not None:
+            observer.completed(launched, lengths, sampled)
         outputs = []
         for state in advanced:
             seq = state.seq
             if state.error is not None:
                 continue  # failed while this step was read: its output is in self._ended
+            if seq.finished and observer is not None:
+                observer.finished(state)
             if state.stream or seq.finished:
                 outputs.append(state.output())
             if seq.finished:
                 del self._requests[seq.request_id]
+                self._release_speculation(seq)
         return outputs
+
+    def _book_speculation(self, launched: LaunchedStep, sampled: dict) -> None:
+        """Each sampled row's outcome to its depth controller and the counters."""
+        if self.speculator is None:
+            return
+        for seq in launched.seqs:
+            token = sampled.get(seq.seq_id)
+            if token is not None:
+                self.speculator.record(seq, token.proposed, len(token.accepted))
 
     def _drop_unusable_rows(self, launched: LaunchedStep, sampled: dict) -> None:
         """Rows the sampler marked -1 (NaN or inf logits, or a mask that allowed nothing) end
@@ -462,12 +641,36 @@ class Engine:
         for state in states:
             seq = state.seq
             try:
-                if state.append_text(state.detokenizer.step(seq.token_ids)):
+                if self._append_new_text(state):
                     self.scheduler.finish(seq, FinishReason.STOP)
                 elif seq.finished:
                     state.append_text(state.detokenizer.flush(seq.token_ids))
             except Exception as exc:
                 self.fail_request(seq.request_id, f"decoding its tokens failed: {exc!r}")
+
+    @staticmethod
+    def _append_new_text(state: RequestState) -> bool:
+        """Decode the new tokens; True when a stop string ended the request. Several new tokens
+        (accepted proposals) with stop strings are decoded one at a time, as plain steps would
+        be: the tokens after the one that completed a stop string are dropped."""
+        ids, detokenizer = state.seq.token_ids, state.detokenizer
+        if not state.seq.params.stop or len(ids) - detokenizer.read_offset <= 1:
+            return state.append_text(detokenizer.step(ids))
+        for end in range(detokenizer.read_offset + 1, len(ids) + 1):
+            if state.append_text(detokenizer.step(ids[:end])):
+                del ids[end:]
+                return True
+        return False
+
+
+def format_timings(timings: dict[str, float]) -> str:
+    """Start-up buckets on one line: 'load 1.20 s (prepare 0.10 s, weights 1.10 s), ...'."""
+    parts = [f"load {timings['load_s']:.2f} s"]
+    if "prepare_s" in timings:
+        parts[0] += f" (prepare {timings['prepare_s']:.2f} s, weights {timings['weights_s']:.2f} s)"
+    parts.append(f"graph capture {timings['capture_s']:.2f} s")
+    parts.append(f"warm-up {timings['warmup_s']:.2f} s")
+    return ", ".join(parts)
 
 
 def _grammar_detail(matcher) -> str:

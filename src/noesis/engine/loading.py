@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ from noesis.weights.files import CONFIG_MAX_BYTES, read_json_file
 from noesis.weights.hub import resolve_model_dir
 from noesis.weights.loader import load_weights
 from noesis.weights.memory import check_fits, weight_needs
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -38,6 +41,10 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
+    # prepare_s: config, tokenizer and the model's skeleton; weights_s: device memory
+    # allocated and the checkpoint's tensors read into it (the loader interleaves the two).
+    load_phases: dict[str, float] = field(default_factory=dict)
+    bytes_read: int = 0  # of checkpoint tensors: a multimodal checkpoint's text model only
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -90,6 +97,8 @@ def load_model(
     model_dir = resolve_model_dir(model, revision)
     config = read_model_config(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, config.eos_token_ids)
+    if config.family == "gpt_oss":
+        _render_harmony(tokenizer)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
@@ -98,6 +107,7 @@ def load_model(
         weight_needs(module, config, dtype), device, f"the model's weights in {_dtype_name(dtype)}",
         "Use a smaller model, a narrower dtype or a device with more memory.",
     )
+    placing = time.perf_counter()
     try:
         module = module.to(dtype=dtype).to_empty(device=device)
     except torch.OutOfMemoryError as exc:
@@ -105,10 +115,34 @@ def load_model(
         raise ConfigError(
             f"the model's weights ({size / 2**30:.2f} GiB in {dtype}) do not fit on {device}"
         ) from exc
-    load_weights(module, config, model_dir, progress=progress)
+    bytes_read = load_weights(module, config, model_dir, progress=progress)
     module.eval()
-    seconds = time.perf_counter() - start
-    return LoadedModel(model_dir, config, module, tokenizer, device, dtype, seconds)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the copies are done: place_s is the whole placement
+    end = time.perf_counter()
+    phases = {"prepare_s": placing - start, "weights_s": end - placing}
+    return LoadedModel(model_dir, config, module, tokenizer, device, dtype, end - start, phases,
+                       bytes_read)
+
+
+def _render_harmony(tokenizer: Tokenizer) -> None:
+    """gpt-oss speaks Harmony: its conversations render through noesis.harmony (openai-harmony's
+    ids), when its vocabulary has Harmony's tokens; over tiktoken's o200k_harmony when the
+    vocabulary is that one (built in a second, where a byte-level copy of a 200k-token
+    tokenizer.json takes several)."""
+    from noesis.harmony import HarmonyEncoding, UnsupportedTokenizer, VocabularyMissing
+    from noesis.harmony.tokenizer_file import is_o200k_harmony
+
+    try:
+        if is_o200k_harmony(tokenizer.backend):
+            encoding = HarmonyEncoding.o200k_harmony()
+        else:
+            encoding = HarmonyEncoding.from_tokenizer(tokenizer)
+    except (UnsupportedTokenizer, VocabularyMissing) as exc:
+        logger.warning("gpt-oss checkpoint without a Harmony vocabulary noesis can read (%s): "
+                       "its chat template renders conversations", exc)
+        return
+    tokenizer.render_with_harmony(encoding)
 
 
 def describe_checkpoint(model: str | Path, dtype="auto", device="cpu") -> dict[str, str]:
@@ -119,18 +153,20 @@ def describe_checkpoint(model: str | Path, dtype="auto", device="cpu") -> dict[s
     model_dir = resolve_model_dir(model)
     config = read_model_config(model_dir)
     files = checkpoint_files(model_dir)
-    num_params = sum(_numel(shape) for _, shape in tensor_index(files).values())
+    params = _parameter_counts(tensor_index(files), config)  # capability -> count, "experts"
+    num_params = sum(count for name, count in params.items() if name != "experts")
     target = resolve_dtype(dtype, config, resolve_device(device))
     elem = torch.empty((), dtype=target).element_size()
     kv_per_token = page_bytes(config, 1, target)
-    return {
+    info = {
         "path": str(model_dir),
         "architecture": f"{config.architecture} (family {config.family})",
         "parameters": f"{num_params:,} ({num_params / 1e6:.1f}M)",
         "checkpoint dtype": str(config.torch_dtype),
         "checkpoint files": f"{len(files)} ({_gib(sum(f.stat().st_size for f in files))})",
         "load dtype": _dtype_name(target),
-        "weights in memory": _gib(num_params * elem),
+        "weights in memory": _gib(params["text"] * elem),
+        "capabilities": _capabilities_line(params, elem),
         "layers": str(config.num_layers),
         "hidden / intermediate": f"{config.hidden_size} / {config.intermediate_size}",
         "heads (q / kv) x dim": f"{config.num_heads} / {config.num_kv_heads} x {config.head_dim}",
@@ -140,6 +176,48 @@ def describe_checkpoint(model: str | Path, dtype="auto", device="cpu") -> dict[s
         "tied embeddings": str(config.tie_word_embeddings),
         "KV cache per token": f"{kv_per_token:,} bytes",
     }
+    return info | _routed_and_conv(config, params["text"], params["experts"], elem)
+
+
+def _parameter_counts(index: dict, config: ModelConfig) -> dict[str, int]:
+    """Parameters per capability ("text", "vision", ...) and, under "experts", those of routed
+    experts, from tensor shapes: an MXFP4 block byte holds two values and its scales none."""
+    from noesis.weights.mapping import capability_of
+
+    counts = dict.fromkeys((*config.capabilities, "experts"), 0)
+    for key, (_, shape) in index.items():
+        count = _numel(shape) * (2 if key.endswith("_blocks") else 1)
+        count = 0 if key.endswith("_scales") else count
+        counts[capability_of(key, config)] += count
+        counts["experts"] += count if ".experts." in key else 0
+    return counts
+
+
+def _capabilities_line(params: dict[str, int], elem: int) -> str:
+    """What each capability's weights cost in memory; only text is loaded."""
+    return "; ".join(
+        f"{name} {_gib(count * elem)}" + (" (loaded)" if name == "text" else " (not loaded)")
+        for name, count in params.items()
+        if name != "experts"
+    )
+
+
+def _routed_and_conv(config: ModelConfig, num_params: int, expert_params: int, elem: int):
+    """`noesis info`'s lines for routed experts (how many, the parameters one token uses) and
+    short-convolution layers (their fixed state per sequence)."""
+    lines = {}
+    moe = config.moe
+    if moe is not None:
+        sparse = config.num_layers - len(moe.dense_layers)
+        active = num_params - expert_params + expert_params * moe.top_k // moe.num_experts
+        lines["experts"] = (f"{moe.num_experts} per layer, {moe.top_k} routed per token "
+                            f"({sparse} of {config.num_layers} layers)")
+        lines["active parameters"] = f"{active:,} ({active / 1e6:.1f}M) per token"
+    if config.conv_layers:
+        state = len(config.conv_layers) * (config.conv_kernel - 1) * config.hidden_size * elem
+        lines["conv layers"] = (f"{len(config.conv_layers)} of {config.num_layers}, kernel "
+                                f"{config.conv_kernel}; state {state:,} bytes per sequence")
+    return lines
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

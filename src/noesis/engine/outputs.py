@@ -4,6 +4,11 @@ added with delta=True) only what is new since its previous output."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from noesis.sampling.metrics import TokenMetrics
+    from noesis.telemetry.recorder import RequestMetrics
 
 
 @dataclass(slots=True)
@@ -18,6 +23,17 @@ class RequestOutput:
     finished: bool
     num_preemptions: int = 0
     error: str | None = None  # why it ended, when finish_reason is "error"
+    # Speculative decoding, totals so far (delta outputs too): proposed tokens verified, and
+    # those the target accepted. 0 when speculation is off or never ran for this request.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    # Telemetry (EngineConfig.telemetry): times, steps, device time, verify rate and the
+    # control plane's per-token signals so far; None when telemetry is off.
+    metrics: RequestMetrics | None = None
+    # SamplingParams(metrics=True): per generated token, the uncertainty of the distribution it
+    # was sampled from (noesis.sampling.metrics.TokenMetrics); None for tokens accepted from
+    # speculative proposals. None when not asked.
+    token_metrics: list[TokenMetrics | None] | None = None
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
@@ -28,6 +44,9 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
     logprobs = None
     if last.logprobs is not None:
         logprobs = [entry for delta in deltas for entry in delta.logprobs or ()]
+    token_metrics = None
+    if last.token_metrics is not None:
+        token_metrics = [entry for delta in deltas for entry in delta.token_metrics or ()]
     return RequestOutput(
         request_id=last.request_id,
         prompt=last.prompt,
@@ -39,4 +58,8 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         finished=last.finished,
         num_preemptions=last.num_preemptions,
         error=last.error,
+        spec_proposed=last.spec_proposed,
+        spec_accepted=last.spec_accepted,
+        metrics=last.metrics,
+        token_metrics=token_metrics,
     )

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from noesis.engine.outputs import RequestOutput
 from noesis.engine.sequence import Sequence
 from noesis.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from noesis.sampling.metrics import TokenMetrics
+    from noesis.telemetry.recorder import RequestMetrics
 
 
 @dataclass(slots=True)
@@ -23,6 +28,8 @@ class RequestState:
     sent_chars: int = 0  # delta mode: text and tokens already handed out
     sent_tokens: int = 0
     error: str | None = None  # set when a failure of this request alone ended it
+    metrics: RequestMetrics | None = None  # telemetry on: updated as its steps are read back
+    token_metrics: list[TokenMetrics | None] | None = None  # SamplingParams.metrics: per token
 
     def __post_init__(self) -> None:
         stops = self.seq.params.stop
@@ -72,6 +79,12 @@ class RequestState:
             finished=seq.finished,
             num_preemptions=seq.num_preemptions,
             error=self.error,
+            spec_proposed=seq.spec_proposed,
+            spec_accepted=seq.spec_accepted,
+            metrics=self.metrics.copy() if self.metrics is not None else None,
+            token_metrics=(
+                self.token_metrics[start_tokens:] if self.token_metrics is not None else None
+            ),
         )
 
 

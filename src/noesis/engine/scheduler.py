@@ -5,6 +5,9 @@ then waiting sequences admitted FIFO while the token budget, the sequence cap an
 When a running sequence needs a page and none is free, the newest running sequence is preempted
 (its pages freed, to be recomputed later). With a prefix cache, an admitted sequence starts on
 the cached pages of its longest cached prefix, and pages are cached as they fill.
+Speculative decoding: a decoding sequence with proposals runs as a verify row of 1 + num_draft
+tokens (its last token, then the proposals); the proposals count as computed only once
+accepted, and pages holding nothing but rejected ones are freed.
 Invariant: the scheduler imports no torch.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from noesis.engine.sequence import FinishReason, Sequence, SequenceStatus
 from noesis.errors import OutOfKVCache
@@ -32,17 +36,22 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens fed this step, starting at seq.num_computed
+    num_tokens: int  # tokens fed this step, starting at seq.num_computed (proposals included)
+    num_draft: int = 0  # of which the last ones are proposals to verify (a verify row)
     samples: bool = field(init=False)  # the step reaches the last known token: sample a new one
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        known = self.num_tokens - self.num_draft
+        self.samples = self.seq.num_computed + known == self.seq.num_tokens
 
 
 @dataclass
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # The verify rows' proposals (a speculative.StepProposals, on the device: opaque here),
+    # attached by the engine; None when no row verifies.
+    proposals: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,15 +87,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, num_drafts: dict[int, int] | None = None) -> StepPlan:
+        """Plan one step. `num_drafts` maps seq_id -> proposals ready for a decoding sequence:
+        it runs as a verify row, with fewer proposals when the budget or its length cap is
+        short."""
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(plan, budget)
+        budget = self._schedule_running(plan, budget, num_drafts or {})
         if not plan.preempted:
             self._admit_waiting(plan, budget)
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int, num_drafts: dict[int, int]) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -94,9 +106,15 @@ class Scheduler:
                 index += 1
                 continue
             num_tokens = min(seq.num_uncomputed, budget)
+            num_draft = 0
+            if num_tokens == 1 and seq.num_pending == 0 and seq.seq_id in num_drafts:
+                # The accepted proposals and the token after them must fit under max_len.
+                room = seq.max_len - seq.num_tokens - 1
+                num_draft = max(0, min(num_drafts[seq.seq_id], budget - 1, room))
+                num_tokens += num_draft
             if not self._reserve_or_preempt(seq, num_tokens, plan):
                 break  # seq itself was preempted; everything after it already was
-            plan.scheduled.append(ScheduledSeq(seq, num_tokens))
+            plan.scheduled.append(ScheduledSeq(seq, num_tokens, num_draft))
             budget -= num_tokens
             index += 1
         return budget
@@ -150,43 +168,73 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_cached_pages = 0
 
-    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+    def update(
+        self, plan: StepPlan, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None
+    ) -> list[Sequence]:
         """Record a finished step: `advance` and `resolve` at once (the synchronous loop).
         Returns the sequences that finished this step."""
         self.advance(plan)
-        return [seq for seq in self.resolve(plan, sampled) if seq.finished]
+        return [seq for seq in self.resolve(plan, sampled, accepted) if seq.finished]
 
     def advance(self, plan: StepPlan) -> None:
-        """A step was launched: its tokens count as computed, and each sampling sequence owes
-        one pending token, so the next step can be planned before this one is read back."""
+        """A step was launched: its known tokens count as computed (proposals wait for their
+        verdict), and each sampling sequence owes one pending token, so the next step can be
+        planned before this one is read back."""
         for item in plan.scheduled:
-            item.seq.num_computed += item.num_tokens
+            item.seq.num_computed += item.num_tokens - item.num_draft
             if item.samples:
                 item.seq.num_pending += 1
 
-    def resolve(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+    def resolve(
+        self, plan: StepPlan, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None
+    ) -> list[Sequence]:
         """A launched step was read back: append the sampled tokens, cache filled pages, finish
         what stops. `sampled` maps seq_id -> new token for every scheduled sequence whose
-        `samples` was true. Sequences finished meanwhile (a stop found while this step ran, an
-        abort) are skipped: their token is dropped. Returns the sequences that took a token,
-        in plan order (finished ones among them)."""
+        `samples` was true; `accepted` (verify rows) the proposals kept before it, whose KV the
+        step wrote. A stop inside that chain ends the sequence there: later tokens are dropped.
+        Sequences finished meanwhile (a stop found while this step ran, an abort) are skipped:
+        their token is dropped. Returns the sequences that took a token, in plan order
+        (finished ones among them)."""
         took = []
         for item in plan.scheduled:
             seq = item.seq
             if seq.finished:
                 continue
+            reason = None
             if item.samples:
-                seq.token_ids.append(sampled[seq.seq_id])
                 seq.num_pending -= 1
+                kept = accepted.get(seq.seq_id, []) if accepted else []
+                reason = self._append_chain(seq, [*kept, sampled[seq.seq_id]])
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(seq)
-            if not item.samples:
-                continue
-            took.append(seq)
-            reason = self._stop_reason(seq, seq.token_ids[-1])
             if reason is not None:
                 self.finish(seq, reason)
+            elif item.num_draft:
+                self._trim_pages(seq)
+            if item.samples:
+                took.append(seq)
         return took
+
+    def _append_chain(self, seq: Sequence, tokens: list[int]) -> FinishReason | None:
+        """Append tokens one at a time, as that many plain steps would, up to a stop (whose
+        reason is returned). All but the last were fed this step (accepted proposals): their
+        KV is computed."""
+        for index, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            if index < len(tokens) - 1:
+                seq.num_computed += 1
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                return reason
+        return None
+
+    def _trim_pages(self, seq: Sequence) -> None:
+        """Free the tail pages past the computed tokens: they hold only rejected proposals
+        (rolled back), as a plain decode would have left them."""
+        keep = self.allocator.pages_for(seq.num_computed)
+        if len(seq.pages) > keep:
+            self.allocator.free(reversed(seq.pages[keep:]))
+            del seq.pages[keep:]
 
     @staticmethod
     def _stop_reason(seq: Sequence, token: int) -> FinishReason | None:

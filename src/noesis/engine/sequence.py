@@ -45,6 +45,9 @@ class Sequence:
     # Tokens sampled by steps still running on the device (overlapped scheduling): they count
     # towards the length and progress, and join `token_ids` when their step is read back.
     num_pending: int = 0
+    # Speculative decoding: proposals verified for this sequence, and those accepted.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:

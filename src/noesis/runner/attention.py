@@ -5,9 +5,15 @@ TorchPagedAttention is the portable backend (CPU, MPS, CUDA): prefills one seque
 (causal over cached + new keys), single-token decodes together over gathered page tables.
 TritonPagedAttention (CUDA) fuses RoPE with the cache write and runs decodes with a paged
 split-K kernel that reads pages in place; prefills still use SDPA.
+
+Two optional extras: `sinks` [H] (gpt-oss: a learned logit per head that joins every softmax
+and contributes no value) and `softcap` (Gemma 2: scores -> cap * tanh(scores / cap)). SDPA has
+neither, so attention with them runs as plain matmuls and softmax (`_attention_math`).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +41,17 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        sinks: torch.Tensor | None = None,  # [H]
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        extras = {"sinks": sinks, "softcap": softcap} if sinks is not None or softcap else {}
         if not meta.prefills:  # decode-only step: every row is a decode, in order
-            return self.decode(q, kv_cache, meta, scale, sliding_window)
+            return self.decode(q, kv_cache, meta, scale, sliding_window, **extras)
+        attend = partial(_attention_math, **extras) if extras else _sdpa
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            if span.ctx_len == span.q_len and sliding_window is None:
+            if span.ctx_len == span.q_len and sliding_window is None and not extras:
                 # Nothing cached before: plain causal attention over the fresh k/v.
                 out[rows] = _sdpa(q[rows][None], k[rows][None], v[rows][None], None, scale,
                                   causal=True)[0]
@@ -53,14 +63,15 @@ class TorchPagedAttention:
                 keys, values = keys[0], values[0]
             first = span.ctx_len - span.q_len
             mask = _mask(first, span.q_len, span.ctx_len, sliding_window, q.device)
-            out[rows] = _sdpa(q[rows][None], keys[None], values[None], mask, scale)[0]
+            out[rows] = attend(q[rows][None], keys[None], values[None], mask, scale)[0]
         if meta.decode_rows.numel():
             out[meta.decode_rows] = self.decode(
-                q[meta.decode_rows], kv_cache, meta, scale, sliding_window
+                q[meta.decode_rows], kv_cache, meta, scale, sliding_window, **extras
             )
         return out
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None):
+    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None,
+               sinks: torch.Tensor | None = None, softcap: float | None = None):
         """Single-token decodes: q [Bd, H, d] over their page tables -> [Bd, H, d]."""
         length = meta.max_decode_ctx
         if meta.decode_slots is None:  # once per step, shared by every layer
@@ -69,13 +80,18 @@ class TorchPagedAttention:
             meta.decode_slots = (pages + offsets).flatten(1)[:, :length]
         slots = meta.decode_slots
         keys, values = kv_cache.view(2, -1, *kv_cache.shape[-2:])[:, slots]  # [Bd, L, Hkv, d]
-        if q.shape[0] == 1 and window is None:  # one sequence, every key visible: no mask
+        extras = sinks is not None or softcap is not None
+        if q.shape[0] == 1 and window is None and not extras and not meta.ctx_bound:
+            # every key visible: no mask
             return _sdpa(q[:, None], keys, values, None, scale)[:, 0]
         key_pos = torch.arange(length, device=q.device)
         query_pos = (meta.decode_ctx_lens - 1)[:, None]
         mask = key_pos[None, :] <= query_pos  # [Bd, L]
         if window is not None:
             mask &= key_pos[None, :] > query_pos - window
+        if extras:
+            return _attention_math(q[:, None], keys, values, mask[:, None, None, :], scale,
+                                   sinks=sinks, softcap=softcap)[:, 0]
         return _sdpa(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]
 
 
@@ -98,10 +114,11 @@ class TritonPagedAttention(TorchPagedAttention):
         self.kernels.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
         return q, k
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None):
+    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None,
+               sinks: torch.Tensor | None = None, softcap: float | None = None):
         return self.kernels.paged_decode_attention(
             q, kv_cache[0], kv_cache[1], meta.decode_pages, meta.decode_ctx_lens, scale,
-            self.max_model_len, window,
+            self.max_model_len, window, sinks=sinks, softcap=softcap,
         )
 
 
@@ -120,6 +137,25 @@ def _mask(first_pos: int, q_len: int, ctx_len: int, window: int | None, device) 
     if window is not None:
         mask &= key_pos > query_pos - window
     return mask  # [q_len, ctx_len]
+
+
+def _attention_math(q, k, v, mask, scale: float, sinks=None, softcap=None) -> torch.Tensor:
+    """What _sdpa computes (mask required), plus sinks [H] and soft-capping, as Hugging Face's
+    eager attention does them: scores in the inputs' dtype, softmax in float32."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2) if group > 1 else k
+    v = v.repeat_interleave(group, dim=2) if group > 1 else v
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # [B, H, Lq, Lk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink takes its share and gives no value
+    return torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
 
 
 def _sdpa(q, k, v, mask, scale: float, causal: bool = False) -> torch.Tensor:

@@ -1,8 +1,17 @@
-"""ModelRunner: StepPlan -> ForwardInputs -> forward -> sample -> one copy back to the host."""
+"""ModelRunner: StepPlan -> ForwardInputs -> forward -> sample -> one copy back to the host.
+
+Speculative decoding plugs in here as verify rows: a sequence scheduled with proposals feeds its
+last token and the proposals (taken from the step's proposals on the device), its logits at
+each of those positions go to speculative.verify instead of the sampler, and the same single
+copy brings back the token after the accepted ones, the proposal count and the accepted
+proposals. On CUDA verify steps replay the decode graphs, each verified position a graph row.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from time import perf_counter as _perf_counter
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,14 +24,21 @@ from noesis.models.rope import RotaryEmbedding
 from noesis.runner.attention import TorchPagedAttention, TritonPagedAttention
 from noesis.runner.cuda_graph import CudaGraphRunner
 from noesis.runner.inputs import AttentionMetadata, ForwardInputs, PrefillSpan
+from noesis.sampling.metrics import NUM_METRICS, TokenMetrics
 from noesis.sampling.sampler import Penalties, SamplerOutput, SamplingTensors, sample
 from noesis.structured.bitmask import MaskFiller, apply_token_bitmask_
+
+if TYPE_CHECKING:
+    from noesis.speculative.proposer import StepProposals
 
 
 @dataclass(slots=True)
 class SampledToken:
-    token_id: int
+    token_id: int  # verify rows: the token after the accepted proposals (correction or bonus)
     logprobs: dict[int, float] | None  # top-k plus the sampled token, when asked
+    accepted: list[int] = field(default_factory=list)  # verify rows: proposals kept, in order
+    proposed: int = 0  # verify rows: proposals judged
+    metrics: TokenMetrics | None = None  # when asked (plain rows; verify rows have none)
 
 
 @dataclass(slots=True)
@@ -37,6 +53,20 @@ class LaunchedStep:
     host: torch.Tensor | None  # their copy (packed with the logprobs when asked) on the host
     ready: torch.cuda.Event | None  # recorded after the copy (CUDA)
     top_k: int  # logprob columns packed in `host`
+    # Verify steps: `host` rows are [token, proposed, accepted proposals padded with -1
+    # (spec_width columns), logprob columns...]; 0 when the step verified nothing.
+    spec_width: int = 0
+    metrics: bool = False  # `host` rows end with NUM_METRICS metric columns
+    graph: bool = False  # replayed a captured graph
+    # Telemetry (noesis.telemetry), set only when it is on: the step's index and shape, its
+    # start (a CUDA event, or perf_counter on the host), device and wait time once fetched, and
+    # per-row signals the runner's signal hooks computed (host copies, then lists).
+    step_index: int = -1
+    shape: Any = None
+    started: Any = None
+    device_ms: float | None = 0.0  # None: not measured (see ModelRunner._peek_timing)
+    wait_ms: float = 0.0
+    signals: Any = None
 
 
 class ModelRunner:
@@ -61,13 +91,22 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.masks = None  # MaskFiller, made for the first step with a grammar
         self.step_counts = {"graph": 0, "eager": 0}  # how steps ran, for benchmarks
+        self.verify_counts = {"graph": 0, "eager": 0}  # how steps with verify rows ran
+        # Telemetry: time each step (events around it, read after fetch's wait), and run the
+        # signal hooks: each maps (plain rows' logits [B, V], their sequences) to named device
+        # tensors [B] or [B, k] (entropy, phi...) that travel back with the step's copy.
+        self.timing = False
+        self.signal_hooks: list = []
+        self.last_graph = False  # how the latest forward ran
 
-    def capture_graphs(self, max_batch: int) -> float:
-        """Capture decode graphs (CUDA only); returns the seconds it took."""
+    def capture_graphs(self, max_batch: int, capture: bool = True) -> float:
+        """Capture decode graphs of up to `max_batch` rows (CUDA); returns the seconds it took.
+        capture=False (CPU, tests): the graphs' buffers and layout, their forward run eagerly."""
         self.graphs = CudaGraphRunner(
             self.model, self.kv, self.rope, self.attention, max_batch, self.max_model_len
         )
-        self.graphs.capture()
+        if capture:
+            self.graphs.capture()
         return self.graphs.capture_seconds
 
     def run(self, plan: StepPlan) -> dict[int, SampledToken]:
@@ -76,11 +115,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
-        """Queue one step (forward, grammar masks, sampling, the copy of the sampled ids to the
-        host) without waiting for it. Decodes of tokens still pending take them from
-        `previous`, the step launched before this one, on the device."""
-        sampling = [item.seq for item in plan.scheduled if item.samples]
-        matchers = [seq.matcher for seq in sampling]
+        """Queue one step (forward, grammar masks, sampling or verification, the copy of the
+        results to the host) without waiting for it. Decodes of tokens still pending take them
+        from `previous`, the step launched before this one, on the device; verify rows take
+        their proposals from `plan.proposals`."""
+        started = self._start_timing() if self.timing else None
+        sampling = [item for item in plan.scheduled if item.samples]
+        plain = [item.seq for item in sampling if not item.num_draft]
+        verifying = [item for item in sampling if item.num_draft]
+        matchers = [seq.matcher for seq in plain]
         constrained = any(m is not None for m in matchers)
         if constrained:  # the masks fill on a CPU thread while the forward runs
             self._mask_filler().start(matchers)
@@ -88,65 +131,208 @@ class ModelRunner:
             logits = self._forward(plan, previous)
         finally:  # collected even when the forward fails, so the next step can start a fill
             bitmask = self.masks.result(self.device) if constrained else None
+        target = None
+        if verifying:
+            logits, target = self._split_logits(logits, sampling)  # [Bp, V], [Bv, K + 1, V]
         if bitmask is not None:
             apply_token_bitmask_(logits, bitmask)
-        launched = LaunchedStep(plan, sampling, {s.seq_id: i for i, s in enumerate(sampling)},
-                                None, None, None, 0)
-        if sampling:
-            self._copy_out(launched, sample(logits, self.sampling_tensors(sampling)))
+        seqs = plain + [item.seq for item in verifying]
+        launched = LaunchedStep(plan, seqs, {s.seq_id: i for i, s in enumerate(seqs)},
+                                None, None, None, 0, graph=self.last_graph, started=started)
+        if self.signal_hooks and plain:
+            launched.signals = self._signals(logits, plain)
+        out = sample(logits, self.sampling_tensors(plain)) if plain else None
+        if verifying:
+            verified = self._verify(target, verifying, plan.proposals)
+            self._copy_out_verified(launched, out, verified)
+        elif out is not None:
+            self._copy_out(launched, out)
+        if started is not None:
+            self._end_timing(launched, started)
         return launched
 
-    def _copy_out(self, launched: LaunchedStep, out: SamplerOutput) -> None:
-        """Start the step's single device -> host copy: ids, and logprobs packed beside them."""
+    def _end_timing(self, launched: LaunchedStep, started) -> None:
+        if self.device.type != "cuda":  # the host ran the step
+            launched.device_ms = (_perf_counter() - started) * 1e3
+        elif launched.ready is None:  # no copy back (a prefill chunk sampling nothing)
+            launched.ready = torch.cuda.Event(enable_timing=True)
+            launched.ready.record()
+
+    def _start_timing(self):
+        if self.device.type != "cuda":
+            return _perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _signals(self, logits: torch.Tensor, plain: list[Sequence]) -> dict[str, torch.Tensor]:
+        """The signal hooks' tensors for the plain rows, copied to the host without waiting
+        (the step's ready event, recorded after, covers the copies)."""
+        cuda = self.device.type == "cuda"
+        copies = {}
+        for hook in self.signal_hooks:
+            for name, value in hook(logits, plain).items():
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=cuda)
+                copies[name] = host.copy_(value.detach(), non_blocking=cuda)
+        return copies
+
+    def _copy_out(self, launched: LaunchedStep, out: SamplerOutput,
+                  ids: torch.Tensor | None = None) -> None:
+        """Start the step's single device -> host copy: ids ([B], or [B, m] for a verify
+        step), and logprobs packed beside them."""
         launched.token_ids = out.token_ids  # what the next step may feed: valid ids only
         payload = out.reported_ids if out.reported_ids is not None else out.token_ids
+        payload = ids if ids is not None else payload
         if out.token_logprobs is not None:
             payload = torch.cat(
                 [
-                    payload[:, None].double(),
+                    payload.view(payload.shape[0], -1).double(),
                     out.token_logprobs[:, None].double(),
                     out.top_ids.double(),
                     out.top_logprobs.double(),
                 ],
                 dim=1,
-            )  # [B, 2 + 2k]
+            )  # [B, 2 + 2k], or [B, m + 1 + 2k]
             launched.top_k = out.top_ids.shape[1]
+        if out.metrics is not None:  # [B, ... + NUM_METRICS]
+            payload = torch.cat([payload.view(payload.shape[0], -1).double(), out.metrics.double()],
+                                dim=1)  # fmt: skip
+            launched.metrics = True
         cuda = self.device.type == "cuda"
         launched.host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=cuda)
         launched.host.copy_(payload, non_blocking=cuda)
         if cuda:
-            launched.ready = torch.cuda.Event()
+            launched.ready = torch.cuda.Event(enable_timing=self.timing)
             launched.ready.record()
 
     def fetch(self, launched: LaunchedStep) -> dict[int, SampledToken]:
         """Wait for a launched step's sampled tokens: seq_id -> token for sequences that sample."""
         if launched.host is None:
+            if self.timing and launched.ready is not None:
+                self._peek_timing(launched)
             return {}
-        if launched.ready is not None:
+        if self.timing:
+            self._fetch_timing(launched)
+        elif launched.ready is not None:
             launched.ready.synchronize()
+        if launched.signals is not None:  # per row, None for the verify rows (after the plain)
+            rows = len(launched.seqs)
+            launched.signals = {name: (value.tolist() + [None] * rows)[:rows]
+                                for name, value in launched.signals.items()}
         seqs = launched.seqs
-        if launched.host.dtype == torch.int64:
+        if launched.host.dim() == 1:
             ids = launched.host.tolist()
             return {seq.seq_id: SampledToken(tok, None) for seq, tok in zip(seqs, ids, strict=True)}
-        k = launched.top_k
+        k, width = launched.top_k, launched.spec_width
+        first = 2 + width if width else 1  # the first logprob column
         results = {}
         for seq, row in zip(seqs, launched.host.tolist(), strict=True):
             token = int(row[0])
             logprobs = None
             if seq.params.logprobs is not None:
                 n = seq.params.logprobs
-                top = zip(row[2 : 2 + n], row[2 + k : 2 + k + n], strict=True)
+                top = zip(row[first + 1 : first + 1 + n], row[first + 1 + k : first + 1 + k + n],
+                          strict=True)
                 logprobs = {int(i): lp for i, lp in top}
-                logprobs[token] = row[1]
-            results[seq.seq_id] = SampledToken(token, logprobs)
+                logprobs[token] = row[first]
+            metrics = None
+            if launched.metrics and seq.params.metrics:
+                metrics = TokenMetrics.from_row(row[-NUM_METRICS:])
+            if width:
+                accepted = [int(t) for t in row[2 : 2 + width] if t >= 0]
+                results[seq.seq_id] = SampledToken(token, logprobs, accepted, int(row[1]), metrics)
+            else:
+                results[seq.seq_id] = SampledToken(token, logprobs, metrics=metrics)
         return results
 
+    @staticmethod
+    def _peek_timing(launched: LaunchedStep) -> None:
+        """A step with nothing to fetch: its device time if it is done already (else None:
+        waiting for it would be a sync of telemetry's own)."""
+        done = launched.ready.query()
+        launched.device_ms = launched.started.elapsed_time(launched.ready) if done else None
+
+    @staticmethod
+    def _fetch_timing(launched: LaunchedStep) -> None:
+        """fetch's wait, timed; then the step's device time from its events (both done now)."""
+        start = _perf_counter()
+        if launched.ready is not None:
+            launched.ready.synchronize()
+            if launched.started is not None:
+                launched.device_ms = launched.started.elapsed_time(launched.ready)
+        launched.wait_ms = (_perf_counter() - start) * 1e3
+
+    def _split_logits(self, logits: torch.Tensor, sampling: list[ScheduledSeq]):
+        """The forward's logit rows (one per plain sampling sequence, 1 + num_draft per verify
+        row, in plan order) -> plain logits [Bp, V] and verify logits [Bv, K + 1, V], K the
+        most proposals of any row; shorter rows repeat their last position (never read)."""
+        plain, verify, row = [], [], 0
+        width = max(item.num_draft for item in sampling)
+        for item in sampling:
+            if not item.num_draft:
+                plain.append(row)
+                row += 1
+                continue
+            rows = list(range(row, row + item.num_draft + 1))
+            verify.append(rows + [rows[-1]] * (width - item.num_draft))
+            row += item.num_draft + 1
+        return logits[self._tensor(plain)], logits[self._tensor(verify)]
+
+    def _verify(self, target: torch.Tensor, verifying: list[ScheduledSeq],
+                proposals: StepProposals):
+        """Judge the verify rows' proposals: speculative.verify's output, with next_token -1
+        where any verified position's logits were not finite (as the sampler reports)."""
+        from noesis.speculative.verify import verify
+
+        width = target.shape[1] - 1
+        found = proposals.proposals
+        rows = [proposals.row_of[item.seq.seq_id] for item in verifying]
+        proposed = self._rows_of(found.proposed, rows)[:, :width]
+        offered = self._rows_of(found.num_proposed, rows)
+        num_proposed = torch.minimum(offered, self._tensor([i.num_draft for i in verifying]))
+        draft_probs = found.draft_probs
+        if draft_probs is not None:
+            draft_probs = self._rows_of(draft_probs, rows)[:, :width]
+        knobs = self.sampling_tensors([item.seq for item in verifying])
+        out = verify(target, proposed, num_proposed, knobs, draft_probs)
+        finite = torch.isfinite(target.amax(dim=-1)).all(dim=-1)
+        out.next_token = torch.where(finite, out.next_token, -1)
+        return out, num_proposed
+
+    def _copy_out_verified(self, launched: LaunchedStep, plain: SamplerOutput | None,
+                           verified) -> None:
+        """The copy of a step with verify rows: ids [B, 2 + K] (the token, proposals judged,
+        accepted proposals padded with -1), plain rows first (none judged), then verify rows."""
+        out, num_proposed = verified
+        width = out.token_ids.shape[1] - 1
+        position = torch.arange(width, device=self.device)[None, :]
+        accepted = torch.where(position < out.num_accepted[:, None], out.token_ids[:, :width], -1)
+        ids = torch.cat([out.next_token[:, None], num_proposed[:, None], accepted], dim=1)
+        feed = out.next_token.clamp(min=0)  # valid ids, as a plain step's token_ids
+        launched.spec_width = width
+        if plain is None:
+            return self._copy_out(launched, SamplerOutput(feed, None, None, None), ids)
+        reported = plain.reported_ids if plain.reported_ids is not None else plain.token_ids
+        count, extra = reported.shape[0], feed.shape[0]
+        plain_ids = torch.cat([reported[:, None], reported.new_zeros((count, 1)),
+                               reported.new_full((count, width), -1)], dim=1)
+        logprobs = [None if x is None else _pad_rows(x, extra)  # verify rows ask for none
+                    for x in (plain.token_logprobs, plain.top_ids, plain.top_logprobs)]
+        metrics = None if plain.metrics is None else torch.cat(  # verify rows: NaN, none
+            [plain.metrics, plain.metrics.new_full((extra, NUM_METRICS), float("nan"))])
+        merged = SamplerOutput(torch.cat([plain.token_ids, feed]), *logprobs, metrics=metrics)
+        self._copy_out(launched, merged, torch.cat([plain_ids, ids]))
+
     def _forward(self, plan: StepPlan, previous: LaunchedStep | None) -> torch.Tensor | None:
-        if self.graphs is not None and self.graphs.can_replay(plan):
-            self.step_counts["graph"] += 1
+        self.last_graph = self.graphs is not None and self.graphs.can_replay(plan)
+        how = "graph" if self.last_graph else "eager"
+        self.step_counts[how] += 1
+        if plan.proposals is not None:
+            self.verify_counts[how] += 1
+        if self.last_graph:
             sources = pending_sources(plan, previous)
-            return self.graphs.replay(plan, sources, previous.token_ids if sources else None)
-        self.step_counts["eager"] += 1
+            return self.graphs.replay(plan, sources, previous.token_ids if sources else None,
+                                      plan.proposals)
         return self.forward_eager(plan, previous)
 
     def _mask_filler(self):
@@ -156,7 +342,8 @@ class ModelRunner:
         return self.masks
 
     def forward_eager(self, plan: StepPlan, previous: LaunchedStep | None = None):
-        """Logits [B, V] of the sampling sequences (None when none samples)."""
+        """Logits [R, V] of the sampling sequences' rows (None when none samples): one per
+        sequence, 1 + num_draft per verify row."""
         inputs = self.prepare(plan, previous)
         cos, sin = self.rope.cos_sin(inputs.positions, inputs.rope_lengths)
         hidden, residual = self.model(
@@ -169,20 +356,30 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows], residual)  # [B, V]
 
     def prepare(self, plan: StepPlan, previous: LaunchedStep | None = None) -> ForwardInputs:
+        if self.kv.conv is not None:  # short-convolution state slots (LFM2)
+            self.kv.conv.assign(plan.scheduled)
         token_ids, positions, slots, sample_rows, rope_lengths = [], [], [], [], []
         sources = pending_sources(plan, previous)
         pending_rows: list[int] = []
+        draft_rows: list[int] = []  # rows fed a proposal, and the flat index of that proposal
+        draft_sources: list[int] = []
         prefills: list[PrefillSpan] = []
         decodes: list[ScheduledSeq] = []
         decode_rows: list[int] = []
         page_size = self.kv.page_size
+        proposals = plan.proposals
         for index, item in enumerate(plan.scheduled):
             seq, start, count = item.seq, item.seq.num_computed, item.num_tokens
             row = len(token_ids)
-            token_ids.extend(seq.token_ids[start : start + count])
+            token_ids.extend(seq.token_ids[start : start + count - item.num_draft])
             if sources is not None and sources[index] >= 0:  # filled in on the device below
                 token_ids.append(0)
                 pending_rows.append(row)
+            if item.num_draft:  # proposals, filled in on the device below
+                first = proposals.row_of[seq.seq_id] * proposals.proposals.proposed.shape[1]
+                draft_rows.extend(range(len(token_ids), len(token_ids) + item.num_draft))
+                draft_sources.extend(range(first, first + item.num_draft))
+                token_ids.extend([0] * item.num_draft)
             positions.extend(range(start, start + count))
             slots.extend(
                 seq.pages[p // page_size] * page_size + p % page_size
@@ -190,7 +387,7 @@ class ModelRunner:
             )
             rope_lengths.append((count, start + count, seq.prompt_len))
             if item.samples:
-                sample_rows.append(row + count - 1)
+                sample_rows.extend(range(row + count - 1 - item.num_draft, row + count))
             if count == 1 and start > 0:
                 decodes.append(item)
                 decode_rows.append(row)
@@ -202,6 +399,9 @@ class ModelRunner:
         if pending_rows:
             picked = self._tensor([source for source in sources if source >= 0])
             input_ids[self._tensor(pending_rows)] = previous.token_ids[picked]
+        if draft_rows:
+            flat = proposals.proposals.proposed.reshape(-1)
+            input_ids[self._tensor(draft_rows)] = self._rows_of(flat, draft_sources)
         return ForwardInputs(
             input_ids=input_ids,
             positions=self._tensor(positions),
@@ -230,8 +430,9 @@ class ModelRunner:
         params = [seq.params for seq in seqs]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         max_logprobs = max(logprobs) if logprobs else None
+        metrics = any(p.metrics for p in params)
         if all(p.greedy and not p.needs_penalties for p in params):
-            return SamplingTensors.greedy(max_logprobs)
+            return SamplingTensors.greedy(max_logprobs, metrics)
         filtering = any(p.needs_filtering for p in params)
         # Two host -> device copies per step (one per dtype), not one per knob.
         floats = self._tensor([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
@@ -246,6 +447,7 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             penalties=self._penalties(seqs) if any(p.needs_penalties for p in params) else None,
             max_logprobs=max_logprobs,
+            metrics=metrics,
         )
 
     def _penalties(self, seqs: list[Sequence]) -> Penalties:
@@ -264,6 +466,16 @@ class ModelRunner:
             output_counts=counts,
             seen_mask=seen,
         )
+
+    def _rows_of(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """x[rows] on this device, indexed where x lives (a lookup's proposals are on the
+        host), copied without waiting for the work queued on the device."""
+        if x.device.type == self.device.type:
+            return x[self._tensor(rows)]
+        picked = x[torch.tensor(rows)]
+        if self.device.type != "cuda":
+            return picked.to(self.device)
+        return picked.pin_memory().to(self.device, non_blocking=True)
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         """A host list on the device. On CUDA through pinned memory without waiting: a plain
@@ -288,6 +500,10 @@ def pending_sources(plan: StepPlan, previous: LaunchedStep | None) -> list[int] 
         sources.append(previous.row_of[seq.seq_id])
         pending = True
     return sources if pending else None
+
+
+def _pad_rows(x: torch.Tensor, count: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros((count, *x.shape[1:]))])
 
 
 def _padded(pages: list[int], length: int) -> list[int]:
