@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_turn(session: VoiceSession, text: str, task: str) -> dict:
+def run_turn(session: VoiceSession, text: str, task: str, keep_audio: bool = False) -> dict:
+    """One spoken turn; with keep_audio, the answer's audio as "_audio": (samples, rate)."""
     speech = session.synthesizer.synthesize(text)
     rate = session.synthesizer.sample_rate
     question = np.concatenate([np.zeros(int(0.3 * rate), np.float32), speech])
@@ -90,6 +91,8 @@ def run_turn(session: VoiceSession, text: str, task: str) -> dict:
     report = vars(answered[-1])
     report["turns_detected"] = len(reports)
     report.update(question=text, expected_task=task, answer_audio_s=len(sink.samples()) / rate)
+    if keep_audio:
+        report["_audio"] = (sink.samples(), sink.sample_rate)
     print(f"  {text!r} -> {report['transcript']!r} -> {report['answer']!r}", file=sys.stderr)
     return report
 

@@ -182,28 +182,30 @@ can pick an expert (and the tool to declare) before generation starts. Loaded by
 ## Model
 
 Word 1-2-grams and character 3-4-grams of the normalized text (lowercase, digits as 0, punctuation
-other than math signs dropped), hashed with crc32 into {c['num_buckets']} buckets, summed
-(EmbeddingBag, {c['hidden']} wide), ReLU, linear to {len(c['labels'])} labels:
-{", ".join(c['labels'])}. {s['parameters']:,} parameters, float32 `model.safetensors`.
+other than math signs dropped), hashed with crc32 into {c["num_buckets"]} buckets, summed
+(EmbeddingBag, {c["hidden"]} wide), ReLU, linear to {len(c["labels"])} labels:
+{", ".join(c["labels"])}. {s["parameters"]:,} parameters, float32 `model.safetensors`.
 
 ## Data and training
 
 Last user message and task label of `noesis.tiny.corpus.example(corpus_seed=0, split, i)`:
-{s['train_examples']:,} training questions (30% rewritten as a recognizer may write them: ISO
+{s["train_examples"]:,} training questions (the train split's tool questions are partly written in
+natural voices by `noesis.tiny.paraphrase`: number words, polite and indirect forms, other
+verbs and operators; then 30% rewritten as a recognizer may write them: ISO
 dates spelled out with ordinal days, numbers as words or days as ordinals, lowercase, no
-punctuation) and {s['heldout_examples']:,} held-out
+punctuation) and {s["heldout_examples"]:,} held-out
 questions (the corpus's held-out split: its names, words, countries and numbers never occur in
-training). AdamW, seeded; {s['train_seconds']} s on CPU; final loss {s['final_loss']}.
+training). AdamW, seeded; {s["train_seconds"]} s on CPU; final loss {s["final_loss"]}.
 
-Command: `{s['command']}`
+Command: `{s["command"]}`
 
 ## Accuracy
 
 | set | accuracy |
 |---|---|
-| train (first 5000) | {s['train_accuracy']:.4f} |
-| held-out, as written | {s['heldout_accuracy']:.4f} |
-| held-out, rewritten as speech | {s['heldout_spoken_accuracy']:.4f} |
+| train (first 5000) | {s["train_accuracy"]:.4f} |
+| held-out, as written | {s["heldout_accuracy"]:.4f} |
+| held-out, rewritten as speech | {s["heldout_spoken_accuracy"]:.4f} |
 
 Held-out, per task:
 

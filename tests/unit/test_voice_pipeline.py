@@ -10,7 +10,14 @@ import time
 import numpy as np
 import pytest
 
-from noesis.voice.messages import AudioChunk, AudioOut, TextChunk, TokenDelta
+from noesis.voice.messages import (
+    AudioChunk,
+    AudioOut,
+    TextChunk,
+    TokenDelta,
+    UserTranscript,
+    Utterance,
+)
 from noesis.voice.pipeline import (
     Actor,
     AnswerStage,
@@ -238,8 +245,9 @@ def test_auto_wiring_of_the_voice_stages_is_complete():
 
 
 def test_emitting_an_undeclared_type_fails_the_run():
-    pipeline = Pipeline([Numbers("numbers", emit=lambda i, t: TextChunk(i, i, t, False, 0.0)),
-                         Collect("c")])
+    pipeline = Pipeline(
+        [Numbers("numbers", emit=lambda i, t: TextChunk(i, i, t, False, 0.0)), Collect("c")]
+    )
     with pytest.raises(PortError, match="numbers emitted TextChunk"):
         asyncio.run(pipeline.run())
 
@@ -301,8 +309,9 @@ def test_one_turn_flows_from_speech_to_played_audio_in_stage_order():
     # The utterance holds the tone, not the silence around it.
     assert 0.35 * RATE < asr.heard[0] < 0.6 * RATE
     tts = FakeTts()
-    expected = np.concatenate([tts.synthesize("Two plus three is five."),
-                               tts.synthesize("That is all.")])
+    expected = np.concatenate(
+        [tts.synthesize("Two plus three is five."), tts.synthesize("That is all.")]
+    )
     np.testing.assert_array_equal(sink.audio(), expected)
     assert answer.finished.is_set() and not answer.aborted.is_set()
 
@@ -310,8 +319,9 @@ def test_one_turn_flows_from_speech_to_played_audio_in_stage_order():
 def test_history_carries_finished_turns_into_the_next_answer():
     answer = FakeAnswer(["Five."])
     speech = np.concatenate([silence(0.1), tone(0.3), silence(0.3)])
-    source = AudioSource("mic", blocks_of(np.concatenate([speech, silence(1.0), speech])), RATE,
-                         paced=True)
+    source = AudioSource(
+        "mic", blocks_of(np.concatenate([speech, silence(1.0), speech])), RATE, paced=True
+    )
     timings = asyncio.run(Pipeline(voice_actors(source, answer, RecordingSink())).run(max_turns=2))
     assert [t.turn for t in timings] == [0, 1]
     assert answer.histories[0] == []
@@ -415,8 +425,9 @@ def test_dashboard_shows_every_actor_and_the_turn_stages():
 
     answer, sink = FakeAnswer(["Five."]), RecordingSink()
     audio = np.concatenate([silence(0.1), tone(0.3), silence(0.3)])
-    pipeline = Pipeline(voice_actors(AudioSource("mic", blocks_of(audio), RATE, False), answer,
-                                     sink))
+    pipeline = Pipeline(
+        voice_actors(AudioSource("mic", blocks_of(audio), RATE, False), answer, sink)
+    )
     asyncio.run(pipeline.run(max_turns=1))
     lines = render(pipeline, {"hit_rate": 0.5, "hits": 1, "misses": 1, "prefetch_s_median": 0.01})
     names = [line.split()[0] for line in lines[1:9]]
@@ -432,8 +443,9 @@ def test_dashboard_into_a_pipe_prints_one_plain_table_at_the_end():
 
     answer, sink = FakeAnswer(["Five."]), RecordingSink()
     audio = np.concatenate([silence(0.1), tone(0.3), silence(0.3)])
-    pipeline = Pipeline(voice_actors(AudioSource("mic", blocks_of(audio), RATE, False), answer,
-                                     sink))
+    pipeline = Pipeline(
+        voice_actors(AudioSource("mic", blocks_of(audio), RATE, False), answer, sink)
+    )
     out = io.StringIO()  # not a terminal
 
     async def main():
@@ -448,7 +460,7 @@ def test_dashboard_into_a_pipe_prints_one_plain_table_at_the_end():
     assert "\033" not in text and text.count("turn 0: ms after end of speech") == 1
 
 
-def test_wav_question_to_wav_answer_with_the_real_models(tmp_path):
+def test_wav_question_to_wav_answer_with_the_real_models(tmp_path, whisper):
     """Whole `noesis voice --in --out` turn: Piper speaks a question, Whisper hears it, the
     router picks the calculator, the expert calls it, Piper speaks the answer, and Whisper hears
     the right number in the answer's audio."""
@@ -459,10 +471,19 @@ def test_wav_question_to_wav_answer_with_the_real_models(tmp_path):
     from noesis.voice.tts import PiperSynthesizer
 
     piper = PiperSynthesizer()
-    write_wav(tmp_path / "q.wav", piper.synthesize("What is seventeen times twenty three?"),
-              piper.sample_rate)
-    args = voice_args("--in", str(tmp_path / "q.wav"), "--out", str(tmp_path / "a.wav"),
-                      "--report", str(tmp_path / "r.json"))
+    write_wav(
+        tmp_path / "q.wav",
+        piper.synthesize("What is seventeen times twenty three?"),
+        piper.sample_rate,
+    )
+    args = voice_args(
+        "--in",
+        str(tmp_path / "q.wav"),
+        "--out",
+        str(tmp_path / "a.wav"),
+        "--report",
+        str(tmp_path / "r.json"),
+    )
     assert app.run(args) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     turn = report["turns"][0]
@@ -471,10 +492,9 @@ def test_wav_question_to_wav_answer_with_the_real_models(tmp_path):
     assert 0 < stages["asr_done"] < stages["first_token"] < stages["first_audio"]
     answer, rate = read_wav(tmp_path / "a.wav")
     assert rate == piper.sample_rate and len(answer) > rate  # over a second of speech
-    from noesis.voice.asr import WhisperRecognizer
     from noesis.voice.audio import resample
 
-    heard = WhisperRecognizer().transcribe(resample(answer, rate, 16000), 16000).text
+    heard = whisper.transcribe(resample(answer, rate, 16000), 16000).text
     assert "391" in heard.replace(",", ""), heard
 
 
@@ -494,8 +514,12 @@ def test_barge_in_aborts_the_real_engine_request():
     )
 
     models = Path(__file__).resolve().parents[2] / "models"
-    pool = ExpertPool([ExpertSpec("draft", models / "noesis-tiny-draft")], 2**30,
-                      llm_loader("float32", 1024), llm_bytes)
+    pool = ExpertPool(
+        [ExpertSpec("draft", models / "noesis-tiny-draft")],
+        2**30,
+        llm_loader("float32", 1024),
+        llm_bytes,
+    )
     llm = pool.acquire("draft", "cpu")
     aborted, stream = [], llm.stream
 
@@ -517,8 +541,12 @@ def test_barge_in_aborts_the_real_engine_request():
     def route_to_draft(text):
         return ("writing", 1.0, "draft", "cpu")
 
-    actors = voice_actors(BargingMic(), answer, RecordingSink(),
-                          FakeAsr("Tell me a short story about Mira and a fox."))
+    actors = voice_actors(
+        BargingMic(),
+        answer,
+        RecordingSink(),
+        FakeAsr("Tell me a short story about Mira and a fox."),
+    )
     actors[3] = RouteStage("router", route_to_draft)
     pipeline = Pipeline(actors)
     try:
@@ -529,3 +557,75 @@ def test_barge_in_aborts_the_real_engine_request():
     assert len(aborted) >= 1 and not llm.engine.has_unfinished()
     spoken_before = pipeline.actors["llm"].answers[0]
     assert 0 < len(spoken_before) < 2000
+
+
+class ScriptedAsr(FakeAsr):
+    """Hears `texts` in order, one per utterance."""
+
+    def __init__(self, texts: list[str]) -> None:
+        super().__init__()
+        self.texts = iter(texts)
+
+    def transcribe(self, audio: np.ndarray, sample_rate: int) -> Transcript:
+        self.heard.append(len(audio))
+        return Transcript(next(self.texts), 0.0)
+
+
+@pytest.mark.parametrize("continuation_s", [1.0, 0.0])
+def test_speech_resumed_before_the_answer_plays_continues_the_turn(continuation_s):
+    # "The meeting is on Friday." <0.25 s pause: the detector ends the turn> "Which day is it?"
+    # The answer takes 0.3 s to its first word, so nothing has played when the user resumes.
+    audio = np.concatenate([silence(0.05), tone(0.2), silence(0.25), tone(0.2), silence(0.2)])
+    source = AudioSource("mic", blocks_of(audio), RATE, paced=True)
+    asr = ScriptedAsr(["The meeting is on Friday.", "Which day is it?"])
+    answer, sink = FakeAnswer(["Friday."], delay=0.3), RecordingSink()
+    actors = voice_actors(source, answer, sink, asr)
+    actors[1] = VadStage("vad", EnergyVad(), continuation_s=continuation_s)
+    pipeline = Pipeline(actors)
+    timings = asyncio.run(pipeline.run())
+
+    assert [t.turn for t in timings] == [0, 1]
+    assert timings[0].barged_in and timings[0].at("first_audio") is None
+    assert not timings[1].barged_in and timings[1].at("first_audio") is not None
+    asked = pipeline.actors["router"].decisions[1].text
+    if continuation_s:
+        assert asked == "The meeting is on Friday. Which day is it?"
+        assert len(asr.heard) == 2 and asr.heard[1] < 0.4 * RATE  # only the new fragment
+    else:
+        assert asked == "Which day is it?"
+    # First audio counts from the end of the last fragment, after the first one ended.
+    assert timings[1].at("speech_end") > timings[0].at("speech_end") + 0.4
+    assert 0.3 <= timings[1].since_speech_end()["first_audio"] < 1.0
+
+
+class Utterances(Actor):
+    outputs = (Utterance,)
+
+    def __init__(self, name: str, utterances: list[Utterance]) -> None:
+        super().__init__(name)
+        self.utterances = utterances
+
+    async def produce(self, ctx) -> None:
+        for utterance in self.utterances:
+            await ctx.emit(utterance)
+
+
+class Transcripts(Actor):
+    inputs = (UserTranscript,)
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.seen: list[str] = []
+
+    async def handle(self, message, ctx) -> None:
+        self.seen.append(message.text)
+
+
+def test_a_continued_turn_dropped_before_recognition_is_heard_with_its_audio():
+    # Turn 0 was cancelled before the recognizer got to it: turn 1 hears both fragments' audio.
+    asr = ScriptedAsr(["The meeting is on Friday. Which day is it?"])
+    utterance = Utterance(1, tone(0.3), RATE, 0.0, continues=0, earlier_audio=tone(0.4))
+    out = Transcripts("out")
+    asyncio.run(Pipeline([Utterances("in", [utterance]), AsrStage("asr", asr), out]).run())
+    assert asr.heard == [len(tone(0.4)) + len(tone(0.3))]
+    assert out.seen == ["The meeting is on Friday. Which day is it?"]

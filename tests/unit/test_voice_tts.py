@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from voice_synth import ESPEAK_WER_BOUND, PIPER_WER_BOUND, SENTENCES
 
-from noesis.voice.asr import WhisperRecognizer, word_error_rate
+from noesis.voice.asr import word_error_rate
 from noesis.voice.tts import (
     EspeakNotFound,
     EspeakSynthesizer,
@@ -25,11 +25,6 @@ def piper() -> PiperSynthesizer:
 @pytest.fixture(scope="module")
 def espeak() -> EspeakSynthesizer:
     return EspeakSynthesizer()
-
-
-@pytest.fixture(scope="module")
-def whisper() -> WhisperRecognizer:
-    return WhisperRecognizer(threads=2)
 
 
 def _rms(samples: np.ndarray) -> float:

@@ -1,5 +1,5 @@
 """Expert pool: memory-mapped safetensors experts, chunked prefetch, LRU under a byte budget, and
-streaming an expert's spoken (final-channel) answer with the built-in tool loop.
+streaming an expert's spoken (final-channel) answer through the tool loop (noesis.session).
 
 Residency is measured with `mincore(2)` (through ctypes) on the pool's own read-only mapping of
 each file: the fraction of the file's pages in the page cache. The budget counts what a loaded
@@ -309,68 +309,52 @@ def stream_answer(
     on_first_token: Callable[[], None] = lambda: None,
 ) -> Iterator[str]:
     """Yield the final-channel text of the answer to the last user message as it is generated,
-    running the built-in tools the model calls in between. Only final-channel text is yielded;
-    analysis and tool calls are not. Setting `stop` (or closing the iterator) aborts the request."""
+    running the built-in tools the model calls in between (Session.stream, unconstrained). Only
+    final-channel text is yielded; analysis and tool calls are not. Setting `stop` (or closing
+    the iterator) aborts the request."""
     from noesis.sampling.params import SamplingParams
-    from noesis.tiny import chat
+    from noesis.session import Session
+    from noesis.tools.builtin import builtin_tools
 
-    declared = chat.tool_declarations(",".join(tool_names)) if tool_names else []
+    tools = builtin_tools(tool_names)
     # No stop strings: the engine holds back the last characters of the text while they could
-    # begin one, which would delay speech; a closed final message ends the stream instead.
-    params = SamplingParams(
-        temperature=settings.temperature, max_tokens=settings.max_tokens,
-        skip_special_tokens=False,
-    )
+    # begin one, which would delay speech; a closed final message ends the turn instead.
+    params = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens)
     system = [{"role": "developer", "content": settings.system}] if settings.system else []
-    turn: list[dict[str, Any]] = []
-    first = True
-    for _ in range(settings.max_tool_steps):
-        prompt = llm.render_chat(system + messages + turn, declared or None)
-        generated = [""]
-        for delta, whole in _final_deltas(llm.stream(prompt, params), stop):
-            generated[0] = whole
-            if first:
-                on_first_token()
-                first = False
-            if delta:
-                yield delta
+    session = Session(llm, max_tool_rounds=settings.max_tool_steps - 1)
+    events = session.stream(system + messages, tools, params=params, constrained=False)
+    try:
+        yield from _spoken(events, stop, on_first_token, stray_calls=not tool_names)
+    finally:
+        events.close()  # aborts the generation in flight
+
+
+def _spoken(
+    events: Iterator[Any],
+    stop: threading.Event,
+    on_first_token: Callable[[], None],
+    stray_calls: bool,
+) -> Iterator[str]:
+    """The final answer's text deltas, until it closes, `stop` is set, or the model calls a tool
+    none was declared for."""
+    from noesis.harmony.parser import ContentDelta, MessageEnd, MessageStart
+    from noesis.session import AssistantTurn, Tokens
+
+    first, in_final = True, False
+    for event in events:
         if stop.is_set():
             return
-        action = chat.next_action(chat.parse_stream(generated[0]))
-        if not isinstance(action, tuple) or not declared:
-            return  # a final answer (already yielded), or nothing usable
-        analysis, name, arguments = action
-        result = chat.run_declared(declared, name, arguments)
-        turn += chat.call_messages(analysis, name, arguments, result, f"call_{len(turn) // 2}")
-
-
-def _final_deltas(deltas: Iterator[str], stop: threading.Event) -> Iterator[tuple[str, str]]:
-    """(new final-channel text, whole generated text) per generated delta; closes the stream
-    (aborting the request) when `stop` is set or the consumer stops."""
-    from noesis.tiny import chat
-    from noesis.tiny.harmony import ParsedMessage
-
-    text, spoken = "", 0
-    try:
-        for delta in deltas:
-            if stop.is_set():
-                return
-            text += delta
-            final = next(
-                (
-                    s
-                    for s in chat.parse_stream(text)
-                    if isinstance(s, ParsedMessage) and s.channel == "final" and not s.recipient
-                ),
-                None,
-            )
-            content = final.content if final is not None else ""
-            yield content[spoken:], text
-            spoken = max(spoken, len(content))
-            if final is not None and final.stop:
-                return  # answered; whatever the model runs on to is not wanted
-    finally:
-        deltas.close()
+        if isinstance(event, Tokens) and first:
+            on_first_token()
+            first = False
+        elif isinstance(event, MessageStart):
+            in_final = event.channel == "final" and not event.recipient
+        elif isinstance(event, ContentDelta) and in_final:
+            yield event.text
+        elif isinstance(event, MessageEnd) and in_final:
+            return  # answered; whatever the model runs on to is not wanted
+        elif isinstance(event, AssistantTurn) and event.tool_calls and stray_calls:
+            return  # a call with no tools declared: nothing to run, nothing more to say
 
 
 def answer_function(pool: ExpertPool, settings: AnswerSettings, tools_of: Callable[[str], tuple]):

@@ -27,6 +27,11 @@ class Utterance:
     audio: np.ndarray  # [n] float32
     sample_rate: int
     speech_end_at: float  # when the detector decided the user stopped speaking
+    # A continuation: the user resumed speaking before `continues` (the previous turn, cancelled)
+    # was answered aloud; this turn answers the joined words. `earlier_audio` is that turn's
+    # audio, for the recognizer when it never transcribed it.
+    continues: int | None = None
+    earlier_audio: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)

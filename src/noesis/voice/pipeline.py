@@ -45,6 +45,8 @@ from noesis.voice.protocols import (
 
 DEFAULT_QUEUE_SIZE = 4
 THREADSAFE_POLL_S = 0.05  # how often a worker thread blocked on a full queue checks for shutdown
+# Speech resumed this soon after a turn's end, before its answer plays, continues that turn.
+CONTINUATION_S = 1.5
 
 
 class WiringError(NoesisError, ValueError):
@@ -86,7 +88,9 @@ class Actor:
         """Run fn(*args) on this actor's thread, under its intra-op thread budget."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix=f"voice-{self.name}", initializer=_budget_threads,
+                1,
+                thread_name_prefix=f"voice-{self.name}",
+                initializer=_budget_threads,
                 initargs=(self.threads,),
             )
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -237,6 +241,10 @@ class Context:
 
     def cancelled(self, turn: int) -> bool:
         return turn in self.pipeline.cancelled
+
+    def reached(self, turn: int, stage: str) -> bool:
+        """Whether `stage` of `turn` has been marked."""
+        return stage in self.pipeline._marks.get(turn, {})
 
     def finish_turn(self, turn: int) -> None:
         self.pipeline._finish_turn(turn)
@@ -459,14 +467,28 @@ class AudioSource(Actor):
 
 
 class VadStage(Actor):
-    """Cuts utterances; user speech while a turn is active is a barge-in on that turn."""
+    """Cuts utterances; user speech while a turn is active is a barge-in on that turn.
+
+    Speech resumed within `continuation_s` of a turn's end, before any of its answer has played,
+    continues that turn (a pause between sentences of one question): the pending answer is
+    cancelled and the next utterance carries the earlier one (`Utterance.continues`), so the joined
+    words are answered. Its timings count from the end of the last fragment. 0 turns it off."""
 
     inputs = (AudioChunk,)
     outputs = (Utterance, BargeIn)
 
-    def __init__(self, name: str, vad: VoiceActivityDetector, threads: int = 1) -> None:
+    def __init__(
+        self,
+        name: str,
+        vad: VoiceActivityDetector,
+        threads: int = 1,
+        continuation_s: float = CONTINUATION_S,
+    ) -> None:
         super().__init__(name, threads)
         self.vad = vad
+        self.continuation_s = continuation_s
+        self._last: tuple[int, np.ndarray, float] | None = None  # turn, its audio, speech end
+        self._continues: tuple[int, np.ndarray] | None = None  # the turn the next one continues
 
     async def handle(self, chunk: AudioChunk, ctx: Context) -> None:
         if chunk.sample_rate != self.vad.sample_rate:
@@ -477,11 +499,30 @@ class VadStage(Actor):
         for event in await self.blocking(self.vad.feed, chunk.samples):
             now = time.monotonic()
             if isinstance(event, SpeechStarted) and ctx.state.active is not None:
+                if self._continuable(ctx, now):
+                    self._continues = self._last[:2]
                 await ctx.emit(BargeIn(ctx.state.active, now))
             elif isinstance(event, SpeechEnded):
                 turn = ctx.state.begin_turn()
                 ctx.mark(turn, "speech_end", now)
-                await ctx.emit(Utterance(turn, event.audio, chunk.sample_rate, now))
+                continues, earlier = self._continues or (None, None)
+                self._continues = None
+                joined = event.audio if earlier is None else np.concatenate([earlier, event.audio])
+                self._last = (turn, joined, now)
+                await ctx.emit(
+                    Utterance(turn, event.audio, chunk.sample_rate, now, continues, earlier)
+                )
+
+    def _continuable(self, ctx: Context, now: float) -> bool:
+        """Whether speech starting now continues the active turn rather than barging in."""
+        if self._last is None or self.continuation_s <= 0:
+            return False
+        turn, _, speech_end = self._last
+        return (
+            turn == ctx.state.active
+            and now - speech_end <= self.continuation_s
+            and not ctx.reached(turn, "first_audio")
+        )
 
 
 class AsrStage(Actor):
@@ -494,14 +535,20 @@ class AsrStage(Actor):
         self.heard: dict[int, UserTranscript] = {}
 
     async def handle(self, utterance: Utterance, ctx: Context) -> None:
-        heard = await self.blocking(
-            self.recognizer.transcribe, utterance.audio, utterance.sample_rate
-        )
+        audio, earlier = utterance.audio, None
+        if utterance.continues is not None:
+            earlier = self.heard.get(utterance.continues)
+            if earlier is None and utterance.earlier_audio is not None:  # dropped before ASR
+                audio = np.concatenate([utterance.earlier_audio, audio])
+        heard = await self.blocking(self.recognizer.transcribe, audio, utterance.sample_rate)
         ctx.mark(utterance.turn, "asr_done")
-        if not heard.text.strip():  # noise, not words: nothing to answer
+        text = heard.text.strip()
+        if earlier is not None:
+            text = f"{earlier.text} {text}".strip()
+        if not text:  # noise, not words: nothing to answer
             ctx.finish_turn(utterance.turn)
             return
-        transcript = UserTranscript(utterance.turn, heard.text.strip(), heard.seconds)
+        transcript = UserTranscript(utterance.turn, text, heard.seconds)
         self.heard[utterance.turn] = transcript
         await ctx.emit(transcript)
 
