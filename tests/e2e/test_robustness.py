@@ -105,12 +105,13 @@ def test_features_not_yet_supported_are_clear_400s(client):
     ],
 )
 def test_tools_on_a_model_without_tool_syntax_are_clear_400s(client, extra):
-    """The e2e checkpoint's tokenizer has no Harmony tokens: tool calls cannot be enforced."""
+    """The e2e checkpoint's template shows no tool-call syntax: calls cannot be enforced, and the
+    error says how to name one."""
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=MODEL_NAME, messages=chat("Hi"), max_tokens=2, extra_body=extra
         )
-    assert "Harmony" in info.value.body["message"]
+    assert "--tool-dialect" in info.value.body["message"]
 
 
 def test_response_format_text_is_accepted(client):

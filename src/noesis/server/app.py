@@ -171,8 +171,9 @@ class ServerState:
         choice = body.effective_tool_choice
         tools = body.tools if choice != "none" else None
         if self.turns is None:
-            if tools:
-                raise APIError(400, NO_TOOL_SYNTAX, "tools", "unsupported_parameter")
+            if tools or choice not in ("none", "auto"):  # a forced call cannot be enforced either
+                param = "tools" if tools else "tool_choice"
+                raise APIError(400, NO_TOOL_SYNTAX, param, "unsupported_parameter")
             spec = response_format_spec(body.response_format)
             return (lambda params: dataclasses.replace(params, grammar=spec)), ChatFormat
         options = TurnOptions(
