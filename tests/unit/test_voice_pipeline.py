@@ -33,7 +33,13 @@ from noesis.voice.pipeline import (
     VadStage,
     WiringError,
 )
-from noesis.voice.protocols import SpeechEnded, SpeechStarted, Transcript
+from noesis.voice.protocols import (
+    SpeechEnded,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+    Transcript,
+)
 
 RATE = 16000
 BLOCK = 320  # 20 ms
@@ -43,16 +49,19 @@ BLOCK = 320  # 20 ms
 
 
 class EnergyVad:
-    """Voiced = frame RMS above a threshold; start after 3 voiced frames, end after 8 silent."""
+    """Voiced = frame RMS above a threshold; start after 3 voiced frames, end after 8 silent;
+    with `early`, a pause of that many silent frames hands the utterance on (SpeechPaused)."""
 
     sample_rate = RATE
     frame_samples = 160
 
-    def __init__(self) -> None:
+    def __init__(self, early: int | None = None) -> None:
+        self.early = early
         self.reset()
 
     def reset(self) -> None:
         self.voiced_run, self.silent_run, self.speaking, self.audio, self.fed = 0, 0, False, [], 0
+        self.paused = False
 
     def feed(self, samples: np.ndarray) -> list:
         events = []
@@ -63,9 +72,16 @@ class EnergyVad:
             if self.speaking:
                 self.audio.append(frame)
                 self.silent_run = 0 if voiced else self.silent_run + 1
+                if voiced and self.paused:
+                    self.paused = False
+                    events.append(SpeechResumed(self.fed / RATE))
+                elif self.silent_run == self.early and not self.paused:
+                    self.paused = True
+                    events.append(SpeechPaused(self.fed / RATE, np.concatenate(self.audio)))
                 if self.silent_run >= 8:
                     events.append(SpeechEnded(self.fed / RATE, np.concatenate(self.audio)))
                     self.speaking, self.audio, self.voiced_run = False, [], 0
+                    self.paused = False
             else:
                 self.voiced_run = self.voiced_run + 1 if voiced else 0
                 if self.voiced_run >= 3:
@@ -596,6 +612,42 @@ def test_speech_resumed_before_the_answer_plays_continues_the_turn(continuation_
     # First audio counts from the end of the last fragment, after the first one ended.
     assert timings[1].at("speech_end") > timings[0].at("speech_end") + 0.4
     assert 0.3 <= timings[1].since_speech_end()["first_audio"] < 1.0
+
+
+def test_an_early_turn_is_answered_during_the_end_silence_and_plays_once_it_ends():
+    # A pause of 3 silent frames (30 ms) hands the utterance on; the end takes 8 (80 ms), and the
+    # answer is ready long before: it is recognized and answered early, but plays after the end.
+    answer, sink, asr = FakeAnswer(["Five."], delay=0.0), RecordingSink(), FakeAsr()
+    audio = np.concatenate([silence(0.05), tone(0.3), silence(0.3)])
+    source = AudioSource("mic", blocks_of(audio), RATE, paced=True)
+    actors = voice_actors(source, answer, sink, asr)
+    actors[1] = VadStage("vad", EnergyVad(early=3))
+    (timing,) = asyncio.run(Pipeline(actors).run(max_turns=1))
+
+    assert timing.at("asr_done") < timing.at("speech_end")  # the work started at the pause
+    assert timing.at("first_audio_ready") < timing.at("speech_end")
+    assert timing.at("first_audio") >= timing.at("speech_end")  # but nothing played before it
+    np.testing.assert_array_equal(sink.audio(), FakeTts().synthesize("Five."))
+
+
+def test_speech_resuming_after_an_early_hand_on_cancels_it_and_the_whole_utterance_is_asked():
+    # tone, a 50 ms pause (early at 30 ms, end at 80 ms), tone, silence: one question.
+    audio = np.concatenate([silence(0.05), tone(0.2), silence(0.05), tone(0.2), silence(0.3)])
+    source = AudioSource("mic", blocks_of(audio), RATE, paced=True)
+    asr = ScriptedAsr(["What is two", "What is two plus three?"])
+    answer, sink = FakeAnswer(["Five."], delay=0.05), RecordingSink()
+    actors = voice_actors(source, answer, sink, asr)
+    actors[1] = VadStage("vad", EnergyVad(early=3))
+    pipeline = Pipeline(actors)
+    timings = asyncio.run(pipeline.run())
+
+    assert [t.turn for t in timings] == [0, 1]
+    assert timings[0].barged_in and timings[0].at("first_audio") is None
+    assert timings[0].at("speech_end") is None  # it never ended: the user went on
+    assert not timings[1].barged_in and timings[1].at("first_audio") is not None
+    assert pipeline.actors["router"].decisions[1].text == "What is two plus three?"
+    assert asr.heard[1] > 0.4 * RATE  # both 0.2 s fragments: the detector kept the utterance
+    np.testing.assert_array_equal(sink.audio(), FakeTts().synthesize("Five."))
 
 
 class Utterances(Actor):

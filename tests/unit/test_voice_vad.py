@@ -7,7 +7,7 @@ import pytest
 from voice_synth import SENTENCES, noise, piper_speech, silence
 
 from noesis.errors import InvalidRequest
-from noesis.voice.protocols import SpeechEnded, SpeechStarted
+from noesis.voice.protocols import SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted
 from noesis.voice.vad import FRAME_SAMPLES, EndOfTurnDetector, SileroVad, TurnConfig
 
 RATE = 16000
@@ -130,6 +130,33 @@ def test_state_machine_is_configurable_and_cuts_long_turns():
         ("SpeechEnded", 25),
     ]
     assert events[1].audio.size == 5 * FRAME_SAMPLES
+
+
+def test_an_early_end_hands_the_utterance_on_at_a_pause_and_says_when_speech_resumes():
+    config = TurnConfig(
+        start_seconds=2 * FRAME_SECONDS,
+        end_seconds=6 * FRAME_SECONDS,
+        early_end_seconds=2 * FRAME_SECONDS,
+        pre_roll_seconds=0.0,
+    )
+    # 3 voiced, a 3-frame pause (past the early end, short of the end), 2 voiced, 8 silent.
+    script = [0.9] * 3 + [0.1] * 3 + [0.9] * 2 + [0.1] * 8
+    detector = EndOfTurnDetector(config, ScriptedScorer(script))
+    events = detector.feed(_frames([float(i) / 100 for i in range(len(script))]))
+    kinds = [(type(e).__name__, round(e.at / FRAME_SECONDS)) for e in events]
+    assert kinds == [
+        ("SpeechStarted", 2),
+        ("SpeechPaused", 5),  # 2 silent frames after frame 3
+        ("SpeechResumed", 7),
+        ("SpeechPaused", 10),  # once per silence run, then the end after 6 silent frames
+        ("SpeechEnded", 14),
+    ]
+    first, second, ended = events[1].audio, events[3].audio, events[4].audio
+    assert first.size == 5 * FRAME_SAMPLES and second.size == 10 * FRAME_SAMPLES
+    np.testing.assert_array_equal(ended[: second.size], second)  # the same utterance, growing
+    assert isinstance(events[1], SpeechPaused) and isinstance(events[2], SpeechResumed)
+    with pytest.raises(InvalidRequest, match="early_end_seconds"):
+        TurnConfig(end_seconds=0.3, early_end_seconds=0.3)
 
 
 def test_block_size_does_not_change_events_and_reset_restarts():

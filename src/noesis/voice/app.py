@@ -27,6 +27,7 @@ from noesis.voice.experts import (
     answer_function,
     llm_bytes,
     llm_loader,
+    warm_prefix,
 )
 from noesis.voice.messages import TurnTiming
 from noesis.voice.pipeline import (
@@ -42,6 +43,9 @@ from noesis.voice.pipeline import (
 )
 
 VAD_RATE = 16000
+# A pause this long hands the utterance on (recognized, routed, answered) while the detector
+# waits out the rest of the 0.3 s end-of-turn silence; speech that resumes cancels that work.
+EARLY_END_S = 0.1
 BLOCK_SAMPLES = 512  # 32 ms, the Silero frame
 TAIL_SILENCE_S = 1.0  # appended to a WAV question so the detector sees the end of the turn
 
@@ -195,24 +199,21 @@ class VoiceSession:
         return session
 
     def warm_up(self) -> None:
-        """Load every routed expert and run each model once, so the first turn does not pay for
-        loading or first-call allocations. Loads count as pool misses."""
-        from noesis.sampling.params import SamplingParams
-
+        """Load every routed expert and run a one-token turn with each route's tools, so the first
+        turn does not pay for loading, first-call allocations or reading its route's system and
+        tool declarations (they stay in the expert's prefix cache). Loads count as pool misses."""
         routes = {self.config.route(label) for label in self.router.config.labels}
-        for expert, device in sorted({(route.expert, route.device) for route in routes}):
-            llm = self.pool.acquire(expert, device)
-            llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
+        settings = self.answer_settings()
+        for route in sorted(routes, key=lambda r: (r.expert, r.device, r.tools)):
+            warm_prefix(self.pool.acquire(route.expert, route.device), route.tools, settings)
         self.recognizer.transcribe(np.zeros(VAD_RATE // 2, dtype=np.float32), VAD_RATE)
         self.synthesizer.synthesize("Hello.")
 
     def build_pipeline(self, source: AudioSource, sink) -> Pipeline:
-        threads, generation = self.config.threads, self.config.generation
-        settings = AnswerSettings(
-            generation.max_tokens, generation.temperature, generation.max_tool_steps,
-            generation.system or None,
+        threads = self.config.threads
+        answer = answer_function(
+            self.pool, self.answer_settings(), lambda task: self.config.route(task).tools
         )
-        answer = answer_function(self.pool, settings, lambda task: self.config.route(task).tools)
         from noesis.voice.text_chunks import TextChunker
 
         actors = [
@@ -226,6 +227,13 @@ class VoiceSession:
             PlayerStage("player", sink),
         ]
         return Pipeline(actors, queue_size=self.config.queue_size)
+
+    def answer_settings(self) -> AnswerSettings:
+        generation = self.config.generation
+        return AnswerSettings(
+            generation.max_tokens, generation.temperature, generation.max_tool_steps,
+            generation.system or None,
+        )
 
     def route(self, text: str) -> tuple[str, float, str, str]:
         """Label the transcript, pick the expert, and start reading its weights if not loaded."""
@@ -263,7 +271,8 @@ class VoiceSession:
 def _vad_factory(config: VoiceConfig):
     from noesis.voice.vad import EndOfTurnDetector, SileroVad, TurnConfig
 
-    return lambda: EndOfTurnDetector(TurnConfig(), SileroVad(threads=config.threads.vad))
+    turn = TurnConfig(early_end_seconds=EARLY_END_S)
+    return lambda: EndOfTurnDetector(turn, SileroVad(threads=config.threads.vad))
 
 
 def _recognizer(kind: str, config: VoiceConfig):

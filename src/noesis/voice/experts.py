@@ -17,7 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -269,14 +269,18 @@ class ExpertPool:
 
 
 def llm_loader(dtype: str, max_model_len: int) -> Callable[[ExpertSpec, str], Any]:
-    """Load an expert through noesis.LLM, with a KV pool sized for one conversation."""
+    """Load an expert through noesis.LLM, with a KV pool sized for one conversation and prefix
+    caching on: every turn starts with the same system and tool declarations (hundreds of
+    tokens, warmed once by `warm_prefix`), and each tool round's request repeats the turn so far.
+    On two CPU cores re-reading them cost 0.25 s before the first token and again after the
+    tool's result."""
 
     def load(spec: ExpertSpec, device: str):
         from noesis.llm import LLM
 
         return LLM(
             str(spec.path), device=device, dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=2, progress=False,
+            max_num_seqs=2, progress=False, enable_prefix_caching=True,
         )
 
     return load
@@ -327,6 +331,16 @@ def stream_answer(
         yield from _spoken(events, stop, on_first_token, stray_calls=not tool_names)
     finally:
         events.close()  # aborts the generation in flight
+
+
+def warm_prefix(llm, tool_names: tuple[str, ...], settings: AnswerSettings) -> None:
+    """Run a one-token turn with the tools a route declares, so that the prompt's shared
+    beginning (system message, developer message with the tools) is in the prefix cache before
+    the first real question of that route."""
+    warm = replace(settings, max_tokens=1, max_tool_steps=1)
+    for _ in stream_answer(llm, [{"role": "user", "content": "Hello"}], tool_names, warm,
+                           threading.Event()):
+        pass
 
 
 def _spoken(

@@ -26,7 +26,7 @@ class Utterance:
     turn: int
     audio: np.ndarray  # [n] float32
     sample_rate: int
-    speech_end_at: float  # when the detector decided the user stopped speaking
+    speech_end_at: float  # when the detector handed it on (its end decided, or a pause)
     # A continuation: the user resumed speaking before `continues` (the previous turn, cancelled)
     # was answered aloud; this turn answers the joined words. `earlier_audio` is that turn's
     # audio, for the recognizer when it never transcribed it.

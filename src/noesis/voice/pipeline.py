@@ -37,7 +37,9 @@ from noesis.voice.messages import (
 )
 from noesis.voice.protocols import (
     SpeechEnded,
+    SpeechPaused,
     SpeechRecognizer,
+    SpeechResumed,
     SpeechStarted,
     SpeechSynthesizer,
     VoiceActivityDetector,
@@ -176,12 +178,29 @@ class TurnState:
     next_turn: int = 0
     active: int | None = None  # the turn being answered, from its utterance to its last audio
     speaking: bool = False  # audio of the active turn is playing
+    # Turns handed on at a pause, before the detector decided they ended: their answers are
+    # prepared but not played until then (the event is set when decided or cancelled).
+    undecided: dict[int, asyncio.Event] = field(default_factory=dict)
 
     def begin_turn(self) -> int:
         turn = self.next_turn
         self.next_turn += 1
         self.active = turn
         return turn
+
+    def hold(self, turn: int) -> None:
+        self.undecided[turn] = asyncio.Event()
+
+    def decide(self, turn: int) -> None:
+        """The turn's end is decided, or the turn is cancelled: its audio may go (or be dropped)."""
+        held = self.undecided.pop(turn, None)
+        if held is not None:
+            held.set()
+
+    async def decided(self, turn: int) -> None:
+        held = self.undecided.get(turn)
+        if held is not None:
+            await held.wait()
 
 
 @dataclass
@@ -370,6 +389,7 @@ class Pipeline:
         """Mark the turn cancelled and drop its queued messages from every inbox."""
         self.cancelled.add(turn)
         self.mark(turn, "barge_in", at)
+        self.state.decide(turn)  # a player holding its audio lets go (and drops it)
         if self.state.active == turn:
             self.state.active = None
             self.state.speaking = False
@@ -472,7 +492,12 @@ class VadStage(Actor):
     Speech resumed within `continuation_s` of a turn's end, before any of its answer has played,
     continues that turn (a pause between sentences of one question): the pending answer is
     cancelled and the next utterance carries the earlier one (`Utterance.continues`), so the joined
-    words are answered. Its timings count from the end of the last fragment. 0 turns it off."""
+    words are answered. Its timings count from the end of the last fragment. 0 turns it off.
+
+    A detector with an early end (SpeechPaused) has the turn begin at the pause: it is recognized,
+    routed and answered while the detector waits out the rest of the end-of-turn silence, and its
+    audio plays only once the end is decided (`speech_end`, from which timings count). Speech
+    that resumes first cancels it; the next pause hands on the whole utterance."""
 
     inputs = (AudioChunk,)
     outputs = (Utterance, BargeIn)
@@ -489,6 +514,7 @@ class VadStage(Actor):
         self.continuation_s = continuation_s
         self._last: tuple[int, np.ndarray, float] | None = None  # turn, its audio, speech end
         self._continues: tuple[int, np.ndarray] | None = None  # the turn the next one continues
+        self._early: int | None = None  # the turn handed on at a pause, not yet decided
 
     async def handle(self, chunk: AudioChunk, ctx: Context) -> None:
         if chunk.sample_rate != self.vad.sample_rate:
@@ -502,16 +528,34 @@ class VadStage(Actor):
                 if self._continuable(ctx, now):
                     self._continues = self._last[:2]
                 await ctx.emit(BargeIn(ctx.state.active, now))
+            elif isinstance(event, SpeechPaused):
+                self._early = await self._hand_on(event.audio, chunk.sample_rate, ctx, now)
+                ctx.state.hold(self._early)
+            elif isinstance(event, SpeechResumed) and self._early is not None:
+                turn, self._early = self._early, None
+                await ctx.emit(BargeIn(turn, now))  # not the end: the whole utterance comes next
             elif isinstance(event, SpeechEnded):
-                turn = ctx.state.begin_turn()
-                ctx.mark(turn, "speech_end", now)
-                continues, earlier = self._continues or (None, None)
+                turn, self._early = self._early, None
+                if turn is None or ctx.cancelled(turn):
+                    turn = await self._hand_on(event.audio, chunk.sample_rate, ctx, now, True)
+                else:
+                    ctx.mark(turn, "speech_end", now)
+                    ctx.state.decide(turn)
+                earlier = self._continues[1] if self._continues else None
                 self._continues = None
                 joined = event.audio if earlier is None else np.concatenate([earlier, event.audio])
                 self._last = (turn, joined, now)
-                await ctx.emit(
-                    Utterance(turn, event.audio, chunk.sample_rate, now, continues, earlier)
-                )
+
+    async def _hand_on(
+        self, audio: np.ndarray, rate: int, ctx: Context, now: float, ended: bool = False
+    ) -> int:
+        """Begin a turn with this utterance (`ended`: its end is decided) and send it on."""
+        turn = ctx.state.begin_turn()
+        if ended:
+            ctx.mark(turn, "speech_end", now)
+        continues, earlier = self._continues or (None, None)
+        await ctx.emit(Utterance(turn, audio, rate, now, continues, earlier))
+        return turn
 
     def _continuable(self, ctx: Context, now: float) -> bool:
         """Whether speech starting now continues the active turn rather than barging in."""
@@ -712,6 +756,9 @@ class PlayerStage(Actor):
                 f"{self.name}: audio at {audio.sample_rate} Hz, "
                 f"the sink plays {self.sink.sample_rate} Hz"
             )
+        await ctx.state.decided(audio.turn)  # a turn handed on early plays once it has ended
+        if ctx.cancelled(audio.turn):
+            return
         ctx.state.speaking = True
         step = max(1, int(self.block_seconds * audio.sample_rate))
         for start in range(0, len(audio.samples), step):

@@ -42,7 +42,25 @@ class SpeechEnded:
     audio: np.ndarray  # the utterance, from shortly before its start to its end
 
 
-VadEvent = SpeechStarted | SpeechEnded
+@dataclass(frozen=True, slots=True)
+class SpeechPaused:
+    """The speaker has been silent for the early-end time (shorter than the end of turn): the
+    utterance so far, handed on so that recognizing and answering it can start before the turn
+    is decided. SpeechResumed or SpeechEnded follows."""
+
+    at: float
+    audio: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechResumed:
+    """Speech came back after a SpeechPaused, before the end of the turn: the paused utterance
+    was not the whole turn."""
+
+    at: float
+
+
+VadEvent = SpeechStarted | SpeechPaused | SpeechResumed | SpeechEnded
 
 
 class VoiceActivityDetector(Protocol):

@@ -18,7 +18,13 @@ import numpy as np
 from noesis.errors import InvalidRequest
 from noesis.voice import assets
 from noesis.voice.audio import as_mono_float32
-from noesis.voice.protocols import SpeechEnded, SpeechStarted, VadEvent
+from noesis.voice.protocols import (
+    SpeechEnded,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+    VadEvent,
+)
 
 SAMPLE_RATE = 16000
 FRAME_SAMPLES = 512  # what the 16 kHz Silero model takes per call
@@ -71,6 +77,9 @@ class TurnConfig:
     release_threshold: float = 0.35  # once speaking, a frame stays speech down to this
     start_seconds: float = 0.2  # speech this long in a row confirms SpeechStarted
     end_seconds: float = 0.3  # silence this long in a row ends the turn
+    # Silence this long in a row (shorter than end_seconds) hands the utterance on early
+    # (SpeechPaused), so its recognition can start before the turn ends; None: never.
+    early_end_seconds: float | None = None
     pre_roll_seconds: float = 0.3  # audio kept from before the speech run began
     max_utterance_seconds: float = 30.0  # a turn is cut here even without silence
 
@@ -85,6 +94,12 @@ class TurnConfig:
                 raise InvalidRequest(f"TurnConfig.{name} must be positive")
         if self.pre_roll_seconds < 0:
             raise InvalidRequest("TurnConfig.pre_roll_seconds must be >= 0")
+        early = self.early_end_seconds
+        if early is not None and not 0.0 < early < self.end_seconds:
+            raise InvalidRequest(
+                f"TurnConfig.early_end_seconds must be in (0, end_seconds={self.end_seconds}), "
+                f"got {early}"
+            )
 
 
 class EndOfTurnDetector:
@@ -101,6 +116,11 @@ class EndOfTurnDetector:
         frame_seconds = FRAME_SAMPLES / SAMPLE_RATE
         self._start_frames = max(1, round(self.config.start_seconds / frame_seconds))
         self._end_frames = max(1, round(self.config.end_seconds / frame_seconds))
+        early = self.config.early_end_seconds
+        # An early end that rounds to the end's own frame count would only repeat it.
+        self._early_frames = (
+            min(max(1, round(early / frame_seconds)), self._end_frames - 1) if early else 0
+        )
         self._max_frames = max(1, round(self.config.max_utterance_seconds / frame_seconds))
         self._pre_roll_frames = round(self.config.pre_roll_seconds / frame_seconds)
         self.reset()
@@ -115,6 +135,7 @@ class EndOfTurnDetector:
         self._candidate: list[np.ndarray] = []  # a speech run not yet long enough to confirm
         self._utterance: list[np.ndarray] | None = None  # set while a turn is in progress
         self._silent_run = 0
+        self._paused = False  # a SpeechPaused went out for the current silence run
         self.last_probability = 0.0
 
     @property
@@ -164,14 +185,20 @@ class EndOfTurnDetector:
         self._pre_roll.clear()
         return SpeechStarted(at=self._seconds_fed())
 
-    def _step_speaking(self, frame: np.ndarray, voiced: bool) -> SpeechEnded | None:
+    def _step_speaking(self, frame: np.ndarray, voiced: bool) -> VadEvent | None:
         assert self._utterance is not None
         self._utterance.append(frame)
         self._silent_run = 0 if voiced else self._silent_run + 1
+        if voiced and self._paused:
+            self._paused = False
+            return SpeechResumed(at=self._seconds_fed())
         if self._silent_run < self._end_frames and len(self._utterance) < self._max_frames:
+            if self._silent_run == self._early_frames and self._early_frames and not self._paused:
+                self._paused = True  # the silence so far goes with it: a word's tail may be in it
+                return SpeechPaused(at=self._seconds_fed(), audio=np.concatenate(self._utterance))
             return None
         audio = np.concatenate(self._utterance)
-        self._utterance, self._silent_run = None, 0
+        self._utterance, self._silent_run, self._paused = None, 0, False
         return SpeechEnded(at=self._seconds_fed(), audio=audio)
 
     def _seconds_fed(self) -> float:
