@@ -1,0 +1,94 @@
+"""The dequantizing Triton matmul compiled for an H100/H200 (sm_90) on this CPU machine, as
+noesis.quant.kernel launches it on 8B shapes in bf16: decode (split K) and prefill, ordered
+groups and act-order, int4 and int8. It must compile and assemble without register spills.
+
+The interpreter (test_quant_linear.py) accepts code the compiler rejects; the compiles run in a
+child process, started when the tests are collected (see test_kernels_compile.py, whose
+compile_launch this reuses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+# (rows, N, K, bits, group size, act-order)
+LAUNCHES = {
+    "decode int4 g128": (1, 4096, 4096, 4, 128, False),
+    "decode int4 act-order": (8, 6144, 4096, 4, 128, True),
+    "decode int8 per channel": (1, 4096, 14336, 8, -1, False),
+    "prefill int4 g128": (300, 4096, 4096, 4, 128, False),
+}
+
+
+def compile_all() -> dict[str, str]:
+    import torch
+    from test_kernels_compile import compile_launch
+
+    from noesis.quant import kernel
+
+    recorded, real = [], kernel._packed_matmul
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append((real, args, kwargs))
+
+    kernel._packed_matmul = Recorder()
+    bf16 = torch.bfloat16
+    reports = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (m, n, k, bits, group, act_order) in LAUNCHES.items():
+            groups = 1 if group == -1 else k // group
+            recorded.clear()
+            kernel.packed_matmul(
+                torch.zeros(m, k, dtype=bf16), torch.zeros(n, k * bits // 32, dtype=torch.int32),
+                torch.zeros(n, groups, dtype=bf16), torch.zeros(n, groups, dtype=bf16),
+                torch.zeros(k, dtype=torch.int32) if act_order else None, bits,
+                k if group == -1 else group,
+            )
+            (launch,) = recorded
+            reports[name] = compile_launch(*launch, Path(tmp))["ptxas"]
+    return reports
+
+
+_child: tuple[subprocess.Popen, str] | None = None
+
+
+def start_in_background() -> subprocess.Popen | None:
+    global _child
+    if _child is None and PTXAS.exists():
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cache = tempfile.mkdtemp(prefix="triton-cache-")
+        env["TRITON_CACHE_DIR"] = cache
+        process = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env)
+        _child = (process, cache)
+    return _child[0] if _child else None
+
+
+def test_packed_matmul_compiles_for_sm90_without_spills():
+    if not PTXAS.exists():
+        pytest.skip("this triton wheel has no ptxas")
+    process = start_in_background()
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        shutil.rmtree(_child[1], ignore_errors=True)
+    assert process.returncode == 0, stderr[-3000:]
+    reports = json.loads(stdout)
+    assert set(reports) == set(LAUNCHES)
+    for name, ptxas in reports.items():
+        assert "Used" in ptxas and "spill" in ptxas, name
+        assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, f"{name}: {ptxas}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))
