@@ -1,0 +1,140 @@
+"""Sidecar configuration: the `[sidecars]` section of a TOML or JSON file (the voice config's
+format), one table per sidecar, checked when read; `SidecarsConfig.build` makes the
+SidecarRuntime in the engine's own process.
+
+    [sidecars.safety]            # on with this table or --safety; `enabled = false` drops it
+    threshold = 0.9              # p(unsafe) at which a response ends with "content_filter"
+    policy = "closed"            # a failing sidecar or a dropped window blocks too
+    cadence = "tokens"           # request | clause | tokens
+    every = 8
+
+Torch-free: the CLI reads and lists the configuration without loading a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from noesis.errors import ConfigError
+from noesis.sidecars.runtime import POLICIES, Cadence, Placement
+
+# Kind -> its table's defaults; a table's kind is its `kind` key, else its name.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "safety": {"model": "noesis-safety", "threshold": 0.8, "policy": "open", "cadence": "clause"},
+}
+COMMON = {"kind": None, "enabled": True, "model": None, "cadence": "request", "every": 16,
+          "device": "cpu", "workers": 1, "queue_size": 8, "policy": "open", "threshold": 0.5}
+
+
+@dataclass(frozen=True)
+class SidecarSpec:
+    """One configured sidecar, every option resolved (its model a directory path)."""
+
+    name: str
+    kind: str
+    model: str
+    cadence: Cadence
+    placement: Placement
+    policy: str
+    threshold: float
+
+    def describe(self) -> str:
+        cadence = self.cadence.kind + (f" (every {self.cadence.every} tokens)"
+                                       if self.cadence.kind == "tokens" else "")
+        place = self.placement
+        return (f"{self.name}: {self.kind}, model {self.model}; {place.device}, "
+                f"{place.workers} worker(s), queue {place.queue_size}; cadence {cadence}; "
+                f"fails {self.policy}; threshold {self.threshold}")
+
+
+@dataclass(frozen=True)
+class SidecarsConfig:
+    sidecars: tuple[SidecarSpec, ...] = ()
+
+    def build(self):
+        """The SidecarRuntime running these sidecars (models loaded here)."""
+        from noesis.sidecars.runtime import SidecarRuntime
+
+        return SidecarRuntime([_build(spec) for spec in self.sidecars])
+
+
+def load_sidecars(path: str | Path | None = None, safety: bool | None = None) -> SidecarsConfig:
+    """The `[sidecars]` tables of the file at `path`, each over its kind's defaults; `safety`
+    True adds the safety sidecar, False drops it, None leaves it to the file. Off by default:
+    the bundled classifier catches a third of held-out harmful requests (its model card), too
+    little to cut users' answers short unasked."""
+    tables: dict[str, dict[str, Any]] = {"safety": {}} if safety else {}
+    if path is not None:
+        for name, table in read_section(Path(path)).items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"sidecars.{name} must be a table")
+            tables[name] = {**tables.get(name, {}), **table}
+    if safety is False:
+        tables.pop("safety", None)
+    specs = [_spec(name, table) for name, table in tables.items()]
+    return SidecarsConfig(tuple(spec for spec in specs if spec is not None))
+
+
+def read_section(path: Path) -> dict[str, Any]:
+    """The file's `sidecars` table (TOML or JSON, read as every noesis config file is)."""
+    from noesis.options import read_config_file
+
+    raw = read_config_file(path)
+    if not isinstance(raw.get("sidecars"), dict):
+        raise ConfigError(f"sidecar config {path} has no [sidecars] section")
+    return raw["sidecars"]
+
+
+def _spec(name: str, table: dict[str, Any]) -> SidecarSpec | None:
+    """The sidecar a table configures (None when disabled), or a ConfigError naming its key."""
+    kind = table.get("kind", name)
+    if kind not in DEFAULTS:
+        raise ConfigError(f"sidecars.{name}: unknown kind {kind!r} (known: {sorted(DEFAULTS)})")
+    unknown = sorted(set(table) - set(COMMON))
+    if unknown:
+        raise ConfigError(f"sidecars.{name}: unknown keys {unknown} (known: {sorted(COMMON)})")
+    options = {**COMMON, **DEFAULTS[kind], **table}
+    if not options["enabled"]:
+        return None
+    if options["policy"] not in POLICIES:
+        raise ConfigError(f"sidecars.{name}.policy must be one of {POLICIES}, got "
+                          f"{options['policy']!r}")
+    threshold = options["threshold"]
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not 0 < threshold <= 1:
+        raise ConfigError(f"sidecars.{name}.threshold must be in (0, 1], got {threshold!r}")
+    try:
+        cadence = Cadence(options["cadence"], options["every"])
+        placement = Placement(options["device"], options["workers"], options["queue_size"])
+    except (TypeError, ConfigError) as exc:
+        raise ConfigError(f"sidecars.{name}: {exc}") from exc
+    return SidecarSpec(name, kind, _model_dir(name, options["model"]), cadence, placement,
+                       options["policy"], float(threshold))
+
+
+def _model_dir(name: str, model: object) -> str:
+    """A directory, or a bundled model's name (noesis-safety) made its directory."""
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"sidecars.{name}.model must be a directory or a bundled model name")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    from noesis.weights.hub import bundled_models
+
+    bundled = bundled_models().get(model)
+    if bundled is None:
+        raise ConfigError(f"sidecars.{name}.model: {model!r} is neither a directory nor a bundled "
+                          f"model ({', '.join(bundled_models()) or 'none here'})")
+    return str(bundled)
+
+
+def _build(spec: SidecarSpec):
+    from noesis.sidecars.safety import SafetySidecar
+
+    builders = {"safety": SafetySidecar.load}
+    sidecar = builders[spec.kind](spec.model, threshold=spec.threshold, policy=spec.policy,
+                                  cadence=spec.cadence, placement=spec.placement)
+    sidecar.name = spec.name
+    return sidecar

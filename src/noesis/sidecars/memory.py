@@ -1,0 +1,68 @@
+"""Memory: the first sidecar. Each finished request's text is embedded off the hot path (the
+embedder on a sidecar worker) and kept; `recall` ranks what was kept by cosine similarity."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from noesis.sidecars.embedder import SentenceEmbedder
+from noesis.sidecars.runtime import Cadence, Placement, Window
+
+
+class Memory:
+    """Texts and their embeddings, appended from a sidecar worker and read from any thread."""
+
+    def __init__(self, embedder: SentenceEmbedder) -> None:
+        self.embedder = embedder
+        self._texts: list[str] = []
+        self._vectors: list[torch.Tensor] = []  # [D] each, unit length
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def add(self, text: str) -> None:
+        """Embed `text` (truncated to the embedder's length) and keep it."""
+        vector = self._embed(text)
+        with self._lock:
+            self._texts.append(text)
+            self._vectors.append(vector)
+
+    def recall(self, query: str, k: int = 3) -> list[tuple[str, float]]:
+        """The `k` kept texts most like `query`: (text, cosine similarity), best first."""
+        with self._lock:
+            texts, vectors = list(self._texts), list(self._vectors)
+        if not texts or k < 1:
+            return []
+        scores = torch.stack(vectors) @ self._embed(query)  # [N]
+        top = scores.topk(min(k, len(texts)))
+        return [(texts[i], float(s)) for s, i in zip(top.values, top.indices.tolist(), strict=True)]
+
+    def _embed(self, text: str) -> torch.Tensor:
+        ids = self.embedder.tokenize(text, truncate=True)
+        return torch.nn.functional.normalize(self.embedder.embed([ids])[0], dim=-1)
+
+
+class MemorySidecar:
+    """Keeps the whole text of every finished request in a Memory (fail open: a turn that could
+    not be embedded is only missing from recall)."""
+
+    name = "memory"
+    cadence = Cadence("request")
+    policy = "open"
+
+    def __init__(self, memory: Memory, placement: Placement | None = None) -> None:
+        self.memory = memory
+        self.placement = placement or Placement()
+
+    def run(self, window: Window) -> bool:
+        """Whether the window's text was kept (an empty one is not)."""
+        if not window.context.strip():
+            return False
+        self.memory.add(window.context)
+        return True
+
+    def decide(self, stored: bool) -> str | None:
+        return "stored" if stored else None

@@ -1,0 +1,102 @@
+"""The safety sidecar: a streaming classifier over the final channel. Each window's new clauses of
+the text a user reads are scored; past the threshold the decision is "block", and the engine ends
+the request with finish_reason "content_filter" and the verdict as its reason.
+
+The classifier is the router's model (noesis.voice.router: hashed n-grams and an MLP) trained by
+scripts/train_safety.py with the labels "safe" and "unsafe"; models/noesis-safety is bundled.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from noesis.errors import ConfigError
+from noesis.sidecars.runtime import CLAUSE_END, Cadence, Placement, Window
+from noesis.voice.router import Router, batch
+
+UNSAFE = "unsafe"
+THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)  # an unclosed one runs to the end
+HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY_CHANNEL = "<|channel|>"
+MIN_CLAUSE_CHARS = 12  # "Sure." alone says nothing: shorter clauses join the next one
+
+
+def final_channel(text: str) -> str:
+    """What a user reads of `text`: reasoning (`<think>...</think>`) dropped; in Harmony markup,
+    what follows the last final-channel header (nothing before one)."""
+    if HARMONY_FINAL in text:
+        return text.rsplit(HARMONY_FINAL, 1)[1]
+    if HARMONY_CHANNEL in text:
+        return ""
+    return THINK.sub("", text)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    p_unsafe: float  # the highest of the window's clauses
+    clause: str  # the clause that scored it
+
+    def __str__(self) -> str:
+        return f"unsafe content (p={self.p_unsafe:.2f}): {self.clause.strip()[:120]!r}"
+
+
+class SafetySidecar:
+    """Scores each window's new final-channel clauses; "block" at p(unsafe) >= threshold."""
+
+    name = "safety"
+
+    def __init__(self, classifier: Router, threshold: float = 0.8, policy: str = "open",
+                 cadence: Cadence | None = None, placement: Placement | None = None) -> None:
+        if UNSAFE not in classifier.config.labels:
+            raise ConfigError(f"a safety classifier needs the label {UNSAFE!r}; this one has "
+                              f"{list(classifier.config.labels)}")
+        if not 0.0 < threshold <= 1.0:
+            raise ConfigError(f"safety threshold must be in (0, 1], got {threshold!r}")
+        self.classifier = classifier
+        self.unsafe_index = classifier.config.labels.index(UNSAFE)
+        self.threshold = threshold
+        self.policy = policy
+        self.cadence = cadence or Cadence("clause")
+        self.placement = placement or Placement()
+
+    @classmethod
+    def load(cls, path: str | Path, **options) -> SafetySidecar:
+        return cls(Router.load(path), **options)
+
+    def run(self, window: Window) -> Verdict | None:
+        """The most unsafe of the window's clauses (None: no final-channel text in it)."""
+        end = window.start + len(window.text)
+        before = final_channel(window.context[: window.start])
+        after = final_channel(window.context[:end])
+        new = after[len(before):] if after.startswith(before) else after
+        clauses = split_clauses(new)
+        if not clauses:
+            return None
+        with torch.inference_mode():
+            logits = self.classifier.model(*batch(clauses, self.classifier.config))  # [N, 2]
+        scores = torch.softmax(logits, dim=-1)[:, self.unsafe_index]  # [N]
+        best = int(scores.argmax())
+        return Verdict(float(scores[best]), clauses[best])
+
+    def decide(self, verdict: Verdict | None) -> str | None:
+        return "block" if verdict is not None and verdict.p_unsafe >= self.threshold else None
+
+
+def split_clauses(text: str) -> list[str]:
+    """`text` cut after each clause end; a clause shorter than MIN_CLAUSE_CHARS joins the next
+    (the last one stays, however short)."""
+    clauses, start, pending = [], 0, ""
+    for match in CLAUSE_END.finditer(text):
+        pending += text[start : match.end()]
+        start = match.end()
+        if len(pending.strip()) >= MIN_CLAUSE_CHARS:
+            clauses.append(pending)
+            pending = ""
+    pending += text[start:]
+    if pending.strip():
+        clauses.append(pending)
+    return clauses

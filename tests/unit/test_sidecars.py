@@ -1,0 +1,140 @@
+"""Sidecars: a sidecar that blocks or raises never holds up a step (checked by counters), its
+windows come at its cadence, a full queue drops and counts, results arrive at a later step; the
+memory sidecar keeps finished turns for Session.recall."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from checkpoints import build_checkpoint, build_sentence_bert
+
+from noesis import LLM, SamplingParams
+from noesis.session import Session
+from noesis.sidecars.embedder import SentenceEmbedder
+from noesis.sidecars.memory import Memory, MemorySidecar
+from noesis.sidecars.runtime import Cadence, Placement, SidecarRuntime, _window_end
+
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPT = [0, 9, 8, 7]
+EVERY_TOKEN = Cadence("tokens", every=1)
+
+
+class Probe:
+    """A sidecar that counts its calls, blocks on `release` and may raise."""
+
+    def __init__(self, name="probe", cadence=EVERY_TOKEN, queue_size=2,
+                 policy="open", fail=False) -> None:
+        self.name, self.cadence, self.policy, self.fail = name, cadence, policy, fail
+        self.placement = Placement(queue_size=queue_size)
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.windows: list = []
+
+    def run(self, window):
+        self.started.set()
+        self.release.wait(10)
+        self.windows.append(window)
+        if self.fail:
+            raise RuntimeError("probe failed")
+        return len(window.text)
+
+    def decide(self, value):
+        return "seen"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = build_checkpoint(tmp_path_factory.mktemp("sidecars") / "llama", "llama")
+    return LLM(str(path), device="cpu", dtype="float32", progress=False)
+
+
+def run_streaming(llm, runtime):
+    """One streamed greedy request stepped to its end with `runtime` attached: (token ids,
+    steps taken, every step's sidecar results)."""
+    engine = llm.engine
+    engine.sidecars = runtime
+    try:
+        request_id = engine.add_request(PROMPT, PARAMS, delta=True)
+        steps, tokens, results = 0, [], []
+        while engine.has_unfinished():
+            outputs = engine.step()
+            steps += 1
+            results += engine.sidecar_results
+            tokens += [t for out in outputs if out.request_id == request_id for t in out.token_ids]
+        return tokens, steps, results
+    finally:
+        engine.sidecars = None
+
+
+def test_blocked_sidecar_never_delays_a_step(llm):
+    alone = llm.generate([PROMPT], PARAMS)[0].token_ids
+    probe = Probe(queue_size=2)
+    runtime = SidecarRuntime([probe])
+    tokens, steps, results = run_streaming(llm, runtime)
+    # Every step ran while the sidecar sat blocked in its first call.
+    assert probe.started.is_set() and not probe.windows and not results
+    assert tokens == alone and steps >= len(alone)
+    stats = runtime.stats()["probe"]
+    # A window per step whose tokens added text: the worker took one, two queued, the rest
+    # were dropped.
+    assert 4 <= stats["windows"] <= len(alone) and stats["drops"] == stats["windows"] - 3
+    probe.release.set()
+    runtime.close()
+    for thread in runtime.lanes["probe"].threads:
+        thread.join(10)
+    llm.engine.sidecars = runtime
+    try:
+        assert llm.engine.step() == []  # an idle step collects what arrived meanwhile
+    finally:
+        llm.engine.sidecars = None
+    assert len(llm.engine.sidecar_results) == 3
+    assert {r.decision for r in llm.engine.sidecar_results} == {"seen"}
+    assert "".join(w.text for w in probe.windows) == probe.windows[-1].context[: sum(
+        len(w.text) for w in probe.windows)]
+
+
+@pytest.mark.parametrize(("policy", "decision"), [("open", None), ("closed", "block")])
+def test_failing_sidecar_is_counted_by_policy(llm, policy, decision):
+    probe = Probe(cadence=Cadence("request"), policy=policy, fail=True)
+    probe.release.set()
+    runtime = SidecarRuntime([probe])
+    tokens, _, _ = run_streaming(llm, runtime)
+    assert tokens == llm.generate([PROMPT], PARAMS)[0].token_ids
+    runtime.close()
+    runtime.lanes["probe"].threads[0].join(10)
+    (result,) = runtime.after_step([])
+    assert result.decision == decision and "probe failed" in result.error
+    stats = runtime.stats()["probe"]
+    assert stats["errors"] == 1 and stats["windows"] == 1 and stats["drops"] == 0
+    assert probe.windows[0].final and probe.windows[0].text == probe.windows[0].context
+
+
+def test_cadence_windows():
+    clause = Cadence("clause")
+    assert _window_end(clause, "Hello there. How a", 0, 5, False) == len("Hello there.")
+    assert _window_end(clause, "Hello there. How a", 12, 5, False) == 12  # nothing new closed
+    assert _window_end(clause, "Hello there. How a", 12, 5, True) == 18  # the end flushes
+    tokens = Cadence("tokens", every=4)
+    assert _window_end(tokens, "abcdef", 2, 3, False) == 2
+    assert _window_end(tokens, "abcdef", 2, 4, False) == 6
+    assert _window_end(Cadence("request"), "abc", 0, 9, False) == 0
+
+
+def test_memory_sidecar_feeds_session_recall(llm, tmp_path):
+    memory = Memory(SentenceEmbedder(build_sentence_bert(tmp_path / "bert")))
+    runtime = SidecarRuntime([MemorySidecar(memory)])
+    llm.engine.sidecars = runtime
+    try:
+        outputs = llm.generate(["Hello world", "The quick brown fox"], PARAMS)
+    finally:
+        llm.engine.sidecars = None
+    runtime.close()
+    runtime.lanes["memory"].threads[0].join(10)
+    assert len(memory) == 2
+    session = Session(llm, memory=memory)
+    for out in outputs:
+        (text, score), *_ = session.recall(out.text, k=2)
+        assert text == out.text and score == pytest.approx(1.0, abs=1e-5)
+    assert runtime.stats()["memory"]["decisions"] == {"stored": 2}
+    assert Session(llm).recall("anything") == []
