@@ -1,0 +1,52 @@
+"""benchmarks/control_ladder.py's report: each share with its Wilson interval and count (None
+where nothing counts), the printed line, and the Quality@Tokens PNG written without a plotting
+package. Synthetic runs: no model."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    path = BENCHMARKS / "control_ladder.py"
+    spec = importlib.util.spec_from_file_location("control_ladder", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rates_carry_a_wilson_interval_and_their_count(ladder):
+    share = ladder.rate("missed_tool_calls", [True, False, False, None])
+    assert share["missed_tool_calls"] == pytest.approx(1 / 3) and share["missed_tool_calls_n"] == 3
+    low, high = share["missed_tool_calls_ci"]
+    assert 0 < low < 1 / 3 < high < 1
+    assert ladder.rate("unnecessary_tool_calls", []) == {
+        "unnecessary_tool_calls": None, "unnecessary_tool_calls_ci": None,
+        "unnecessary_tool_calls_n": 0}  # fmt: skip
+
+
+def run(ladder, rung: str, mode: str, correct: list[bool], tokens: list[float]) -> dict:
+    mean, low, high = ladder.mean_interval(tokens)
+    e2e = ladder.rate("end_to_end_accuracy", correct)
+    e2e["end_to_end_ci"] = e2e.pop("end_to_end_accuracy_ci")
+    return {"rung": rung, "mode": mode, **e2e, **ladder.rate("call_validity", [True] * 4),
+            **ladder.rate("unnecessary_tool_calls", []),
+            **ladder.rate("missed_tool_calls", [False, True]),
+            "mean_tokens_to_answer": mean, "tokens_ci": [low, high], "per_example_tokens": tokens,
+            "tool_header_forbidden": None, "seconds": 1.0}  # fmt: skip
+
+
+def test_the_line_and_the_png(ladder, tmp_path):
+    runs = [run(ladder, "baseline", "t=0.7", [True, False, True], [80.0, 90.0, 100.0]),
+            run(ladder, "+phi", "t=0.7", [True, True, True], [60.0, 70.0, 80.0])]  # fmt: skip
+    ladder._compare(runs)
+    assert runs[1]["tokens_vs_baseline"]["change"] == pytest.approx(70 / 90 - 1)
+    line = ladder._line(runs[1])
+    assert "e2e 100.0% [" in line and "unnecessary -" in line and "missed 50.0% [" in line
+    png = tmp_path / "qat.png"
+    ladder.write_png(runs, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
