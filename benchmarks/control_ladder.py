@@ -4,17 +4,21 @@ examples under each rung, greedy and sampled (T = 0.7, several seeds), with 95% 
     python benchmarks/control_ladder.py --split heldout --json ladder_heldout.json
     python benchmarks/control_ladder.py --split natural --json ladder_natural.json
     python benchmarks/control_ladder.py --split train --n 100 --json ladder_train.json  # tuning
+    python benchmarks/control_ladder.py --n 4 --seeds 0 --device cpu --json /tmp/l.json  # smoke
 
 Rungs (a name in RUNGS): baseline (unconstrained), +phi (unconstrained, the default policy: only
-Φ acts, the tool header is not grammar-bound), +constraints (grounded turn grammar),
+Φ acts, per token inside each generation (noesis.control.knobs), the tool header is not
+grammar-bound), +constraints (grounded turn grammar),
 +control-none (the grammar, the null policy: metrics on, knobs unchanged; must equal
 +constraints), +phi+efe (the grammar and the default policy), +budgetB (the grammar, the first
-turn's analysis capped at B tokens: noesis.control.think), +phi+efe+budget8. Per run: end-to-end
-accuracy (Wilson interval over examples x seeds), first-try schema validity, unnecessary and
-missed tool calls, tokens to answer (mean, normal interval) and its change against the
+turn's analysis capped at B tokens: noesis.control.think), +phi+efe+budget8. Per run, pooled
+over examples x seeds, each share with its Wilson interval: end-to-end accuracy, first-try schema
+validity of the calls made, unnecessary calls (of the examples expecting none) and missed calls
+(of those expecting one); tokens to answer (mean, normal interval) and its change against the
 unconstrained baseline of the same mode (paired bootstrap over examples), and how often the
-controller forbade or forced the tool header. The JSON is rewritten after every run, so a
-cut-off run keeps what it finished.
+controller forbade or forced the tool header. The JSON and the Quality@Tokens PNG
+(benchmarks/quality_at_tokens.py, --png) are rewritten after every run, so a cut-off run keeps
+what it finished.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ def paired_change(ours: list[float], base: list[float], draws: int = 2000) -> di
 
 
 def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, seeds) -> dict:
-    """Every seed of one rung and decoding mode, pooled."""
+    """Every seed of one rung and decoding mode, pooled over examples x seeds."""
     constraint, controller, budget = RUNGS[rung]
     scores, summaries, began = [], [], time.perf_counter()
     for seed in seeds:
@@ -87,23 +91,33 @@ def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, see
         result = harness.run(generator, examples, config, sampled)
         scores += result.scores
         summaries.append(result.summary)
-    e2e = [s.end_to_end for s in scores if s.end_to_end is not None]
     tokens = [float(s.tokens_to_answer) for s in scores if s.tokens_to_answer is not None]
-    calls = [s.call for s in scores if s.call.called is not None]
-    low, high = wilson(sum(e2e), len(e2e))
     mean, t_low, t_high = mean_interval(tokens)
+    e2e = rate("end_to_end_accuracy", [s.end_to_end for s in scores])
+    e2e["end_to_end_ci"] = e2e.pop("end_to_end_accuracy_ci")  # the plot's (and older reports')
     return {
         "rung": rung, "mode": "greedy" if sampled is None else f"t={sampled.temperature:g}",
-        "seeds": list(seeds), "scored": len(e2e),
-        "end_to_end_accuracy": sum(e2e) / len(e2e), "end_to_end_ci": [low, high],
-        "call_validity": _mean([c.arguments_valid for c in calls]),
-        "unnecessary_tool_calls": _mean([s["unnecessary_tool_calls"] for s in summaries]),
-        "missed_tool_calls": _mean([s["missed_tool_calls"] for s in summaries]),
+        "seeds": list(seeds), "examples": len(scores), **e2e,
+        **rate("call_validity", [s.call.arguments_valid for s in scores if s.call.called]),
+        **rate("unnecessary_tool_calls",
+               [s.call.called is not None for s in scores if s.expected_tool is None]),
+        **rate("missed_tool_calls",
+               [s.call.called is None for s in scores if s.expected_tool is not None]),
         "mean_tokens_to_answer": mean, "tokens_ci": [t_low, t_high],
         "tool_header_forbidden": _mean([s.get("tool_header_forbidden") for s in summaries]),
         "tool_header_forced": _mean([s.get("tool_header_forced") for s in summaries]),
         "per_example_tokens": tokens, "seconds": round(time.perf_counter() - began, 1),
     }  # fmt: skip
+
+
+def rate(name: str, flags: list) -> dict:
+    """A share with its Wilson interval and its count: {name, name_ci, name_n} (None when no
+    example counts: no call was made, no example expects none, ...)."""
+    flags = [bool(f) for f in flags if f is not None]
+    if not flags:
+        return {name: None, f"{name}_ci": None, f"{name}_n": 0}
+    return {name: sum(flags) / len(flags), f"{name}_ci": list(wilson(sum(flags), len(flags))),
+            f"{name}_n": len(flags)}  # fmt: skip
 
 
 def _mean(values) -> float | None:
@@ -124,7 +138,9 @@ def main() -> None:
     parser.add_argument("--rungs", default=",".join(RUNGS))
     parser.add_argument("--modes", default="greedy,sampled", help="greedy, sampled or both")
     parser.add_argument("--json", required=True)
+    parser.add_argument("--png", help="the Quality@Tokens plot (default: the JSON's path, .png)")
     args = parser.parse_args()
+    png = Path(args.png or Path(args.json).with_suffix(".png"))
     llm = LLM(args.model, device=args.device, progress=False, enable_prefix_caching=True)
     examples = harness.eval_examples(harness.EvalConfig(split=args.split, n=args.n,
                                                         corpus_seed=args.corpus_seed))  # fmt: skip
@@ -143,6 +159,8 @@ def main() -> None:
             _compare(report["runs"])
             print(_line(row), flush=True)
             Path(args.json).write_text(json.dumps(report, indent=1))
+            write_png(report["runs"], png)
+    print(f"wrote {args.json} and the Quality@Tokens plot {png}")
 
 
 def _compare(runs: list[dict]) -> None:
@@ -155,16 +173,30 @@ def _compare(runs: list[dict]) -> None:
 
 
 def _line(r: dict) -> str:
-    ci, tci = r["end_to_end_ci"], r["tokens_ci"]
-    versus = r.get("tokens_vs_baseline")
+    tci, versus = r["tokens_ci"], r.get("tokens_vs_baseline")
     change = f" {100 * versus['change']:+.1f}% [{100 * versus['low']:+.1f}, " \
              f"{100 * versus['high']:+.1f}]" if versus else ""  # fmt: skip
-    valid = "-" if r["call_validity"] is None else f"{100 * r['call_validity']:.1f}%"
-    return (f"{r['mode']:>7} {r['rung']:<14} e2e {100 * r['end_to_end_accuracy']:5.1f}% "
-            f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]  valid {valid}  "
-            f"tokens {r['mean_tokens_to_answer']:.1f} [{tci[0]:.1f}, {tci[1]:.1f}]{change}  "
-            f"unnecessary {r['unnecessary_tool_calls']}  missed {r['missed_tool_calls']}  "
+    return (f"{r['mode']:>7} {r['rung']:<17} e2e {_share(r, 'end_to_end_accuracy')}  "
+            f"valid {_share(r, 'call_validity')}  tokens {r['mean_tokens_to_answer']:.1f} "
+            f"[{tci[0]:.1f}, {tci[1]:.1f}]{change}  unnecessary "
+            f"{_share(r, 'unnecessary_tool_calls')}  missed {_share(r, 'missed_tool_calls')}  "
             f"forbidden {r['tool_header_forbidden']}  ({r['seconds']} s)")  # fmt: skip
+
+
+def _share(r: dict, name: str) -> str:
+    if r[name] is None:
+        return "-"
+    low, high = r["end_to_end_ci" if name == "end_to_end_accuracy" else f"{name}_ci"]
+    return f"{100 * r[name]:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def write_png(runs: list[dict], path: Path) -> None:
+    """The Quality@Tokens plot of the runs so far (benchmarks/quality_at_tokens.py draws it with
+    zlib alone: no plotting package needed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quality_at_tokens import plot
+
+    path.write_bytes(plot(runs))
 
 
 if __name__ == "__main__":

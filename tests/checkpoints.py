@@ -350,3 +350,45 @@ def noesis_greedy(llm, prompt: list[int], max_new_tokens: int, **options):
     return out.token_ids, [
         row[token] for row, token in zip(out.logprobs, out.token_ids, strict=True)
     ]
+
+
+BERT_WORDS = ("the quick brown fox jumps over lazy dog hello world what is my name favourite "
+              "colour blue green red remember earlier turn weather paris").split()
+
+
+def build_sentence_bert(out: Path, pooling: str = "mean", normalize: bool = True,
+                        max_seq_length: int = 32, seed: int = 0) -> Path:
+    """A tiny random BertModel saved as a sentence-transformers checkpoint (modules.json, the
+    pooling config, a WordPiece tokenizer.json with [CLS]/[SEP]); returns `out`."""
+    import transformers
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {word: i for i, word in enumerate([*specials, *BERT_WORDS, "##s", "##ing"])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    transformers.BertModel(config, add_pooling_layer=True).eval().save_pretrained(out)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    flags = {f"pooling_mode_{m}": m.startswith(pooling)  # pooling: "mean", "cls" or "max"
+             for m in ("cls_token", "mean_tokens", "max_tokens")}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, **flags}))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
+    return out

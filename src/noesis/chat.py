@@ -53,12 +53,14 @@ def reply(
     *,
     executor: ToolExecutor | None = None,
     max_steps: int = MAX_TOOL_STEPS,
+    control: Any = None,
     **options: Any,
 ) -> str | None:
     """Answer the last user message in `history` through the tool loop, showing it on `display`.
     Appends the turn to `history` (analysis dropped, as gpt-oss does for past turns) and returns
-    the final answer, or None. `options` go to the generator (params, constrained)."""
-    session = Session(llm, executor=executor, max_tool_rounds=max_steps - 1)
+    the final answer, or None. `control` is the Session's (noesis.control: a policy name or
+    object, None: off); `options` go to the generator (params, constrained)."""
+    session = Session(llm, executor=executor, max_tool_rounds=max_steps - 1, control=control)
     events = session.stream(history, tools, **options)
     try:
         response = _show(events, display, stray_calls=not len(tools))

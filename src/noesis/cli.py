@@ -1,4 +1,5 @@
-"""The `noesis` command: generate, chat, info, serve, eval, bench, replay."""
+"""The `noesis` command: generate, chat, info, serve, eval, bench, replay, quantize; pull, list,
+rm."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import os
 import sys
 from pathlib import Path
 
-from noesis.sampling.params import INT64_MAX
+from noesis.engine.config import EngineConfig
+from noesis.extras import SERVER_MODULES, require
+from noesis.options import add_option_flags, apply_config_file, given_options, read_config_file
 from noesis.server.config import COUNT_MAX, MAX_JSON_DEPTH
+from noesis.weights.hub import BUNDLED_DIR
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
+BUNDLED_MODEL = (BUNDLED_DIR / "noesis-tiny").resolve()
 BUNDLED_MODELS = (BUNDLED_MODEL, BUNDLED_MODEL.with_name("noesis-tiny-draft"))
+# generate and chat sample with these when neither a flag nor the checkpoint's
+# generation_config.json sets them (the others fall back to SamplingParams' own).
+SAMPLING_FALLBACK = {"temperature": 0.7}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from noesis.errors import NoesisError
 
+    if getattr(args, "tensor_parallel_size", 1) > 1 and _torchrun_worker():
+        from noesis.distributed.launch import serve_torchrun_rank
+
+        return serve_torchrun_rank()  # the command itself is rank 0's
     try:
         return args.handler(args)
     except NoesisError as exc:
@@ -31,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def _torchrun_worker() -> bool:
+    """Whether torchrun started this process as a rank other than 0 (noesis.distributed)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,9 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     from noesis.voice.app import add_voice_parser
 
     add_voice_parser(sub)  # noesis voice: speech in, routed experts, speech out
+    from noesis.models_cli import add_model_parsers
+
+    add_model_parsers(sub)  # noesis pull, list, rm
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
-    _add_model_args(gen)
+    _add_model_args(gen, "all", skip=("seed",))  # --seed is the request's (sampling)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
     _add_sampling_args(gen)
     _add_speculative_args(gen)
@@ -52,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.set_defaults(handler=_generate)
 
     chat = sub.add_parser("chat", help="chat with the model (interactive unless MESSAGE is given)")
-    _add_model_args(chat)
+    _add_model_args(chat, "all", skip=("seed",))  # --seed is the request's (sampling)
     chat.add_argument("message", nargs="?", help="one-shot: send this message, print the reply")
     chat.add_argument("--system", help="a system message placed before the conversation")
     chat.add_argument(
@@ -75,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_speculative_args(chat)
     _add_trace_args(chat)
     _add_template_args(chat)
+    _add_control_args(chat)
     chat.set_defaults(handler=_chat)
 
     info = sub.add_parser("info", help="architecture, parameter count, dtype and memory")
@@ -85,19 +105,22 @@ def _parser() -> argparse.ArgumentParser:
         "timing buckets (cold load: setup and weights, graph capture, warm-up, prefill, decode, "
         "host overhead per step)",
     )
+    _add_sidecar_args(info, listing=True)
     info.set_defaults(handler=_info)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions)")
-    _add_model_args(serve)
+    # A server's requests often share prefixes (system prompts, tools): cached by default.
+    _add_model_args(serve, "all", defaults={"enable_prefix_caching": True})
     _add_serve_args(serve)
     _add_speculative_args(serve)
     _add_trace_args(serve)
     _add_template_args(serve)
-    serve.set_defaults(handler=_serve)
+    _add_control_args(serve)
+    serve.set_defaults(handler=_serve, parser=serve)
 
     bench = sub.add_parser(
         "bench", help="measure latency, throughput and telemetry overhead (or load a server)")
-    _add_model_args(bench)
+    _add_model_args(bench, "all", skip=("max_num_seqs",))  # bench's own: the largest batch
     _add_bench_args(bench)
     bench.set_defaults(handler=_bench)
 
@@ -108,7 +131,23 @@ def _parser() -> argparse.ArgumentParser:
                         "hash must match the trace's)")
     replay.add_argument("--device", help="default: the trace's device")
     replay.add_argument("--json", help="also write the report here")
+    replay.add_argument("--request", metavar="ID", help="reproduce this request (a server's: "
+                        "the response's noesis.request_ids): alone when the trace was recorded "
+                        "with --batch-invariant, else in its recorded batches (the traffic up "
+                        "to its end)")
     replay.set_defaults(handler=_replay)
+
+    quantize = sub.add_parser(
+        "quantize", help="write an int4 (AWQ layout) or int8 (GPTQ layout) copy of a checkpoint")
+    quantize.add_argument("src", help="the float checkpoint (directory or cached repo id)")
+    quantize.add_argument("dst", help="a new directory for the quantized checkpoint")
+    quantize.add_argument("--bits", type=int, choices=(4, 8), required=True)
+    quantize.add_argument(
+        "--group-size", type=int,
+        help="input columns per scale and zero point (default: 128 for int4; -1, one per output "
+        "channel, for int8)",
+    )
+    quantize.set_defaults(handler=_quantize)
 
     evaluate = sub.add_parser("eval", help="evaluate a model (eval tools: tool use)")
     evals = evaluate.add_subparsers(title="evaluations", metavar="EVAL")
@@ -121,15 +160,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+# The EngineConfig options every command that loads a model takes; generate, chat, serve and
+# bench take all of them (flags built from the dataclass fields: noesis.options).
+LOAD_OPTIONS = ("device", "dtype", "max_model_len", "revision")
+
+
+def _add_model_args(parser: argparse.ArgumentParser, engine: str = "load",
+                    skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
+    """--model, --telemetry and the engine's option flags: `engine` "all" adds every
+    EngineConfig option (less `skip`), "load" only LOAD_OPTIONS."""
     parser.add_argument(
         "--model", "-m", default=os.environ.get("NOESIS_MODEL"),
-        help="checkpoint directory or Hugging Face repo id (default: $NOESIS_MODEL or the "
-        "bundled noesis-tiny)",
+        help="checkpoint directory, Hugging Face repo id or bundled model name (default: "
+        "$NOESIS_MODEL or the bundled noesis-tiny)",
     )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    group = parser.add_argument_group("engine")
+    only = None if engine == "all" else LOAD_OPTIONS
+    add_option_flags(group, EngineConfig, defaults=defaults, skip=skip, only=only)
     parser.add_argument(
         "--telemetry", metavar="PATH",
         help="write per-step and per-request telemetry here as JSON lines (device time, batch "
@@ -171,11 +218,14 @@ def _add_bench_args(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=256)
-    group.add_argument("--temperature", "-t", type=float, default=0.7, help="0 means greedy")
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--top-p", type=float, default=1.0)
+    # Unset: the checkpoint's generation_config.json, else SAMPLING_FALLBACK (see _sampling).
+    recommended = "default: the checkpoint's generation_config.json, else %s"
+    group.add_argument("--temperature", "-t", type=float,
+                       help=f"0 means greedy ({recommended % SAMPLING_FALLBACK['temperature']})")
+    group.add_argument("--top-k", type=int, help=recommended % "0 (off)")
+    group.add_argument("--top-p", type=float, help=recommended % 1.0)
     group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--repetition-penalty", type=float, help=recommended % 1.0)
     group.add_argument("--presence-penalty", type=float, default=0.0)
     group.add_argument("--frequency-penalty", type=float, default=0.0)
     group.add_argument("--seed", type=int)
@@ -266,27 +316,48 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="seconds running requests get to finish after SIGTERM (default 30)",
     )
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    net.add_argument(
+        "--stats-interval", type=_seconds, default=10.0, metavar="SECONDS",
+        help="log one line of engine stats (throughput, running/waiting, KV use, prefix-cache "
+        "hits) this often while there is work; 0: never (default 10)",
+    )
+    net.add_argument(
+        "--config", metavar="FILE",
+        help="a .toml or .json table of options named as these flags are, with underscores "
+        "(max_num_seqs = 128); flags on the command line win; an unknown key is an error",
+    )
+    net.add_argument(
+        "--embedding-model", action="append", default=[], metavar="PATH",
+        help="a sentence-embedding checkpoint (BERT family) to serve on /v1/embeddings beside "
+             "the model, named by its directory (repeatable)",
+    )
+    _add_sidecar_args(parser)
     _add_limit_args(parser)
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--max-num-seqs", type=_int_in(1, COUNT_MAX), default=64,
-                     help="running batch size (default 64)")
-    eng.add_argument(
-        "--max-num-batched-tokens", type=_int_in(1, COUNT_MAX), default=2048,
-        help="tokens per step, also the prefill chunk (default 2048)",
+
+
+def _add_sidecar_args(parser: argparse.ArgumentParser, listing: bool = False) -> None:
+    group = parser.add_argument_group("sidecars (side models beside the decode: noesis.sidecars)")
+    group.add_argument(
+        "--sidecars", metavar="FILE", nargs="?" if listing else None,
+        const="" if listing else None,
+        help=("list the server's sidecars (placement, cadence, policy): FILE's, if given, "
+              "and the safety sidecar with --safety" if listing else
+              "a .toml or .json file whose [sidecars] tables configure the sidecars (the "
+              "safety sidecar's threshold, policy, cadence, placement)"),
     )
-    eng.add_argument("--kv-cache-memory", type=_int_in(1, INT64_MAX), help="bytes for the KV pool")
-    eng.add_argument("--page-size", type=_int_in(1, COUNT_MAX), default=16)
-    eng.add_argument("--seed", type=_int_in(-INT64_MAX - 1, INT64_MAX), default=0,
-                     help="seeds requests that bring no seed")
-    eng.add_argument(
-        "--no-prefix-caching", dest="prefix_caching", action="store_false",
-        help="do not reuse KV pages of shared prompt prefixes",
+    group.add_argument(
+        "--safety", action=argparse.BooleanOptionalAction, default=None,
+        help="the safety sidecar: a classifier reads each clause of the answer and ends a "
+             "harmful one with finish_reason content_filter (default: only if the --sidecars "
+             "file configures it; the bundled classifier is a weak baseline, see "
+             "models/noesis-safety/README.md)",
     )
-    eng.add_argument(
-        "--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
-        help="plan and launch the next engine step while the device runs this one (default: on "
-        "CUDA, off elsewhere); --no-overlap-steps reads every step back first",
-    )
+
+
+def _sidecars(args: argparse.Namespace):
+    from noesis.sidecars.config import load_sidecars
+
+    return load_sidecars(args.sidecars or None, safety=args.safety)
 
 
 # Flag -> help; the defaults are RequestLimits' (noesis.server.config), stated here so that
@@ -365,17 +436,22 @@ def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
         "user's words, as `noesis chat` and the server decode (default: unconstrained)",
     )
     parser.add_argument(
-        "--controller", choices=("default", "none", "think-budget"),
+        "--control", "--controller", choices=("default", "none", "think-budget"),
         help="steer every generation with a control policy (noesis.control): 'default' = the Φ "
-        "controller and emit-vs-tool through the turn grammar (use with --constraint); 'none' = "
-        "the same loop with the request's own knobs; 'think-budget' = the first turn's analysis "
-        "capped at 8 tokens (default: no controller)",
+        "controller (temperature and top_p per token) and emit-vs-tool through the turn grammar "
+        "(use with --constraint); 'none' = the same loop with the request's own knobs; "
+        "'think-budget' = the first turn's analysis capped at 16 tokens (default: no control; "
+        "--controller is the old spelling)",
     )
 
 
 def _model_arg(args: argparse.Namespace) -> str:
+    """--model, with a bundled model's name made its path (as resolve_model_dir would)."""
     if args.model:
-        return args.model
+        from noesis.weights.hub import bundled_models
+
+        bundled = None if Path(args.model).is_dir() else bundled_models().get(args.model)
+        return str(bundled or args.model)
     if BUNDLED_MODEL.is_dir():
         return str(BUNDLED_MODEL)
     from noesis.errors import ModelNotFound
@@ -386,13 +462,14 @@ def _model_arg(args: argparse.Namespace) -> str:
 def _load(args: argparse.Namespace):
     from noesis.llm import LLM
 
-    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    options = given_options(EngineConfig, args)
     speculative = _speculative(args)
     if speculative is not None:
         options["speculative"] = speculative
     options.update(_recording(args))
     options.update(_template_options(args))
-    return LLM(_model_arg(args), device=args.device, dtype=args.dtype, **options)
+    options.update(_control_options(args))
+    return LLM(_model_arg(args), **options)
 
 
 def _add_template_args(parser: argparse.ArgumentParser) -> None:
@@ -407,6 +484,22 @@ def _add_template_args(parser: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls, where its template does not show it (default: "
         "detected from the template and vocabulary)",
     )
+
+
+def _add_control_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--control", choices=("default", "none"),
+        help="the control plane (noesis.control): 'default' moves each sampled request's "
+        "temperature and top_p per token from its uncertainty (never above the request's own; "
+        "greedy stays greedy) and, in tool loops, allows or forbids the tool call; 'none' (the "
+        "default): off",
+    )
+
+
+def _control_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig option of --control (commands without it give none)."""
+    control = getattr(args, "control", None)
+    return {} if control is None else {"control": control}
 
 
 def _template_options(args: argparse.Namespace) -> dict:
@@ -435,23 +528,37 @@ def _recording(args: argparse.Namespace) -> dict:
     return options
 
 
-def _sampling(args: argparse.Namespace):
+def _sampling_flags(args: argparse.Namespace) -> dict:
+    """The sampling flags given, checked (before a model loads): the knobs left unset are
+    absent, for the checkpoint to recommend."""
+    from noesis.sampling.defaults import GENERATION_KEYS
     from noesis.sampling.params import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+    flags = dict(
+        min_p=args.min_p, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
         stop=args.stop, ignore_eos=args.ignore_eos,
-    )
+    )  # fmt: skip
+    flags |= {key: getattr(args, key) for key in GENERATION_KEYS if getattr(args, key) is not None}
+    SamplingParams(**flags)  # InvalidSamplingParams names a bad flag now, not after loading
+    return flags
+
+
+def _sampling(flags: dict, llm):
+    """The flags given, over the checkpoint's generation_config.json, over SAMPLING_FALLBACK."""
+    from noesis.sampling.defaults import generation_defaults
+
+    recommended = generation_defaults(llm.engine.loaded.model_dir)
+    fallback = {k: v for k, v in SAMPLING_FALLBACK.items() if k not in recommended}
+    return llm.get_default_sampling_params(**{**fallback, **flags})
 
 
 def _generate(args: argparse.Namespace) -> int:
-    params = _sampling(args)
+    flags = _sampling_flags(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     llm = _load(args)
     try:
-        _stream_to_terminal(llm.stream(prompt, params))
+        _stream_to_terminal(llm.stream(prompt, _sampling(flags, llm)))
     finally:
         llm.engine.close()  # telemetry and trace files flushed
     return 0
@@ -468,14 +575,14 @@ def _stream_to_terminal(deltas) -> str:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    params = _sampling(args)
+    flags = _sampling_flags(args)
     if args.tool_timeout is not None and not 0 < args.tool_timeout <= 1e9:  # NaN fails too
         from noesis.errors import ConfigError
 
         raise ConfigError(f"--tool-timeout must be in (0, 1e9] seconds, got {args.tool_timeout}")
     llm = _load(args)
     try:
-        return _chat_loop(args, llm, params)
+        return _chat_loop(args, llm, _sampling(flags, llm))
     finally:
         llm.engine.close()  # telemetry and trace files flushed
 
@@ -527,11 +634,12 @@ def _chat_reply(args: argparse.Namespace, llm, params):
     timeout = {} if args.tool_timeout is None else {"timeout_s": args.tool_timeout}
     executor = ToolExecutor(**timeout)
     display = chat.Display()
+    control = None if args.control == "none" else args.control  # the loop's, as the engine's
 
     def reply(history: list[dict], message: str) -> None:
         history.append({"role": "user", "content": message})
         chat.reply(llm, history, tools, display, executor=executor, params=params,
-                   constrained=not args.unconstrained)  # fmt: skip
+                   constrained=not args.unconstrained, control=control)  # fmt: skip
 
     return reply
 
@@ -554,17 +662,16 @@ def _eval_tools(args: argparse.Namespace) -> int:
     sampled = None if args.temperature is None else SamplingParams(temperature=args.temperature)
     config = EvalConfig(
         split=args.split, n=args.n, corpus_seed=args.corpus_seed, max_tokens=args.max_tokens,
-        sampled=sampled, seed=args.seed, constraint=args.constraint, controller=args.controller,
+        sampled=sampled, seed=args.seed, constraint=args.constraint, controller=args.control,
     )
     # Passes 2 and 3 repeat pass 1's prompt: prefix caching skips most of their prefill.
-    options = {"progress": False, "enable_prefix_caching": True, **_recording(args)}
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
-    draft = LLM(args.draft, device=args.device, dtype=args.dtype, **options) if args.draft else None
+    options = {"progress": False, "enable_prefix_caching": True, **_recording(args),
+               **given_options(EngineConfig, args, skip=("revision",))}
+    draft = LLM(args.draft, **options) if args.draft else None
     speculative = _speculative(args)
     if speculative is not None:
         options["speculative"] = speculative
-    llm = LLM(_model_arg(args), device=args.device, dtype=args.dtype, **options)
+    llm = LLM(_model_arg(args), revision=args.revision, **options)
     report = evaluate_tools(llm, config, draft)
     if llm.engine.speculator is not None:
         report["speculative"] = llm.engine.speculator.summary()
@@ -604,16 +711,22 @@ def _eval_header(meta: dict, report: dict) -> str:
 def _info(args: argparse.Namespace) -> int:
     from noesis.engine.loading import describe_checkpoint
 
-    for key, value in describe_checkpoint(_model_arg(args), args.dtype, args.device).items():
+    described = describe_checkpoint(_model_arg(args), args.dtype, args.device, args.revision)
+    for key, value in described.items():
         print(f"{key:<24}{value}")
     if args.timings:
         _print_timings(args)
+    if args.sidecars is not None:
+        specs = _sidecars(args).sidecars
+        print(f"{'sidecars':<24}{len(specs) or 'none'}")
+        for spec in specs:
+            print(f"  {spec.describe()}")
     return 0
 
 
 TIMING_LABELS = {
-    "load_s": "cold load", "prepare_s": "  config, tokenizer, skeleton",
-    "weights_s": "  weights read and placed",
+    "load_s": "cold load", "read_s": "  read (files into memory)",
+    "place_s": "  place (device, dtype)",
     "capture_s": "graph capture", "warmup_s": "warm-up", "prefill_s": "prefill (device)",
     "decode_s": "decode (device)", "host_s": "host overhead",
 }
@@ -625,9 +738,8 @@ def _print_timings(args: argparse.Namespace) -> None:
     from noesis.sampling.params import SamplingParams
     from noesis.telemetry.bench import prompt_ids
 
-    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    config = EngineConfig(device=args.device, dtype=args.dtype, progress=False,
-                          telemetry=args.telemetry or True, **options)
+    config = EngineConfig(progress=False, telemetry=args.telemetry or True,
+                          **given_options(EngineConfig, args))
     engine = Engine(_model_arg(args), config)
     engine.warm_up()
     prompt = prompt_ids(engine, min(64, engine.max_model_len // 2), 0)
@@ -652,6 +764,7 @@ def _bench(args: argparse.Namespace) -> int:
     from noesis.telemetry import bench
 
     if args.url:
+        require("server", ("httpx",), "noesis bench --url")
         report = bench.run_server_load(bench.LoadConfig(
             url=args.url, requests=args.requests, concurrency=args.concurrency,
             prompt_len=args.prompt_len, gen_len=args.gen_len, api_key=args.api_key,
@@ -676,10 +789,9 @@ def _bench_offline(args: argparse.Namespace, bench) -> dict:
                                batches=batches, repeats=args.repeats, overhead_batches=overhead,
                                overhead_steps=args.overhead_steps)
     largest = max((*batches, *overhead))
-    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     engine = Engine(_model_arg(args), EngineConfig(
-        device=args.device, dtype=args.dtype, progress=False, telemetry=args.telemetry or False,
-        max_num_seqs=args.max_num_seqs or largest, **options))
+        progress=False, telemetry=args.telemetry or False,
+        max_num_seqs=args.max_num_seqs or largest, **given_options(EngineConfig, args)))
     engine.warm_up()
     report = {"command": "noesis " + shlex.join(args.argv), "model": _model_arg(args),
               "device": str(engine.device),
@@ -701,12 +813,24 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from noesis.quant.quantize import quantize_checkpoint
+    from noesis.weights.hub import resolve_model_dir
+
+    totals = quantize_checkpoint(resolve_model_dir(args.src), Path(args.dst), args.bits,
+                                 args.group_size)
+    print(f"quantized {totals['projections']} projections to int{args.bits}: weights "
+          f"{totals['bytes_read'] / 2**20:,.1f} MiB -> {totals['bytes_written'] / 2**20:,.1f} MiB "
+          f"in {args.dst}")
+    return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     import json
 
     from noesis.telemetry.replay import replay, report_dict
 
-    report = replay(args.trace, model=args.model, device=args.device)
+    report = replay(args.trace, model=args.model, device=args.device, request_id=args.request)
     if args.json:
         Path(args.json).write_text(json.dumps(report_dict(report), indent=2) + "\n")
     if report.ok:
@@ -718,6 +842,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.config is not None:  # under the command line's flags
+        apply_config_file(args.parser, args, args.argv[1:], read_config_file(args.config))
+    require("server", SERVER_MODULES, "noesis serve")
     if args.api_key is not None and not args.api_key.strip():
         print(
             "noesis serve: error: the API key (--api-key or $NOESIS_API_KEY) is empty: that "
@@ -725,17 +852,12 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from noesis.engine.engine import EngineConfig
     from noesis.server.app import serve
     from noesis.server.config import RequestLimits, ServeConfig
 
-    engine = EngineConfig(
-        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, seed=args.seed,
-        enable_prefix_caching=args.prefix_caching, overlap_steps=args.overlap_steps,
-        speculative=_speculative(args), **_recording(args),
-    )
+    engine = EngineConfig(speculative=_speculative(args), **_recording(args),
+                          **_control_options(args), sidecars=_sidecars(args),
+                          **given_options(EngineConfig, args))
     names = [flag.replace("-", "_") for flag in _LIMIT_FLAGS]
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     config = ServeConfig(
@@ -743,10 +865,11 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
         metrics_public=args.metrics_public, enable_docs=args.enable_docs,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        stats_interval=args.stats_interval,
         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, limits=RequestLimits(**given),
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-        **_template_options(args),
+        embedding_models=tuple(args.embedding_model), **_template_options(args),
     )
     return serve(config)
 

@@ -15,6 +15,7 @@ from noesis.engine.engine import Engine, EngineConfig
 from noesis.engine.outputs import RequestOutput
 from noesis.errors import InvalidRequest
 from noesis.harmony.parser import ParsedTurn
+from noesis.sampling.defaults import generation_defaults
 from noesis.sampling.params import SamplingParams
 from noesis.session import AssistantTurn, Session, Tokens, TurnRequest
 from noesis.session import ToolCall as SessionToolCall
@@ -43,7 +44,10 @@ class LLM:
         **options: Any,
     ):
         """`tool_dialect` names the tool-call format (noesis.dialects.NAMES) where the template
-        does not show it; `chat_template` (Jinja text) replaces the checkpoint's template."""
+        does not show it; `chat_template` (Jinja text) replaces the checkpoint's template.
+        `control="default"` (or a noesis.control.ControlPolicy) moves every sampled request's
+        temperature and top_p per token, and steers this LLM's sessions (tool_choice too);
+        SamplingParams(control=False) opts a request out. Other options: EngineConfig's."""
         try:
             config = EngineConfig(device=device, dtype=dtype, **options)
         except TypeError as exc:
@@ -60,6 +64,18 @@ class LLM:
     def model_config(self):
         return self.engine.loaded.config
 
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams with the checkpoint's recommended temperature, top_p, top_k and
+        repetition_penalty (generation_config.json), then `overrides`. A plain SamplingParams()
+        keeps noesis's own defaults whatever the checkpoint says, as it always did."""
+        return SamplingParams(**{**generation_defaults(self.engine.loaded.model_dir), **overrides})
+
+    @property
+    def control(self):
+        """The control policy (LLM(control=...)): a name, a ControlPolicy, or None (off)."""
+        control = self.engine.config.control
+        return None if control == "none" else control
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -71,6 +87,12 @@ class LLM:
         params_list = _as_params_list(params, len(prompts))
         ids = self._add_all(prompts, params_list)
         return self._run_to_completion(ids, use_tqdm)
+
+    def embed(self, texts: Prompt | Sequence[Prompt], pooling: str = "last") -> list[list[float]]:
+        """Unit-length embeddings of texts (or token-id lists): the model's final hidden state
+        at the last token ("last") or averaged over the tokens ("mean")."""
+        prompts = _as_prompt_list(texts)
+        return self.engine.embed(prompts, pooling).tolist()
 
     def chat(
         self,
@@ -105,6 +127,7 @@ class LLM:
         parallel_tool_calls: bool = True,
         thinking_budget: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        control: bool = True,
     ) -> AssistantTurn:
         """One assistant turn, parsed: analysis (reasoning), tool calls or a final answer, in
         the model's own format (Harmony, or a text dialect: noesis.dialects).
@@ -115,10 +138,11 @@ class LLM:
         plain schema). `parallel_tool_calls=False` allows one call per turn; `thinking_budget`
         bounds a text dialect's `<think>` reasoning in tokens. `chat_template_kwargs` go to the
         template (enable_thinking, documents, ...). `deterministic` means greedy with seed 0.
+        `control=False` keeps this LLM's control plane off the turn (SamplingParams.control).
         Setting `cancel` aborts the generation (finish_reason "cancelled")."""
         prompt, turn = self._turn_inputs(
             messages, tools, tool_choice, deterministic, params, response_format, constrained,
-            grounded, parallel_tool_calls, thinking_budget, chat_template_kwargs,
+            grounded, parallel_tool_calls, thinking_budget, chat_template_kwargs, control,
         )  # fmt: skip
         (out,) = self._run_to_completion(self._add_all([prompt], [turn]), False, cancel)
         parsed = self._turn_format_for_turns().parse(out.token_ids, prompt)
@@ -205,10 +229,13 @@ class LLM:
         parallel_tool_calls: bool = True,
         thinking_budget: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        control: bool = True,
     ) -> tuple[list[int], SamplingParams]:
         """The prompt ids and SamplingParams of one assistant turn."""
         fmt = self._turn_format_for_turns()
         base = params or SamplingParams(max_tokens=1024)
+        if not control:
+            base = dataclasses.replace(base, control=False)
         if deterministic:
             base = dataclasses.replace(base, temperature=0.0, seed=0)
         template_messages = fmt.template_messages(messages)
@@ -221,10 +248,11 @@ class LLM:
 
     def session(self, **options: Any) -> Session:
         """A Session over this model: `session.generate(messages, tools=[...])` runs the tool
-        loop to a final answer. Options go to Session (max_tool_rounds) and to its ToolExecutor
-        (max_concurrency, timeout_s, retry)."""
+        loop to a final answer. Options go to Session (max_tool_rounds; control, by default this
+        LLM's: LLM(control=...)) and to its ToolExecutor (max_concurrency, timeout_s, retry)."""
         executor_options = {k: options.pop(k) for k in ("max_concurrency", "timeout_s", "retry")
                             if k in options}
+        options.setdefault("control", self.control)
         return Session(self, executor=ToolExecutor(**executor_options), **options)
 
     @functools.cached_property

@@ -19,6 +19,7 @@ from noesis.tools.registry import Tool, ToolRegistry
 if TYPE_CHECKING:
     from noesis.control.policy import ControlPolicy
     from noesis.control.turns import TurnControl
+    from noesis.sidecars.memory import Memory
 
 ToolChoice = Literal["auto", "none", "required"] | dict[str, Any]
 ToolsArg = ToolRegistry | Iterable[Tool | Callable[..., Any]] | None
@@ -232,9 +233,11 @@ class Session:
         executor: ToolExecutor | None = None,
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         control: str | ControlPolicy | None = None,
+        memory: Memory | None = None,
     ) -> None:
         """`control`: a noesis.control policy ("default", "none", or an object) steering every
-        run's generations; None (default): no control, the requests' own knobs."""
+        run's generations; None (default): no control, the requests' own knobs. `memory`: a
+        noesis.sidecars.memory.Memory that `recall` searches (its MemorySidecar fills it)."""
         if max_tool_rounds < 0:
             raise InvalidRequest(f"max_tool_rounds must be >= 0, got {max_tool_rounds}")
         self.policy = None
@@ -247,6 +250,12 @@ class Session:
         self.max_tool_rounds = max_tool_rounds
         self._lock = threading.Lock()
         self._cancel: threading.Event | None = None
+        self.memory = memory
+
+    def recall(self, query: str, k: int = 3) -> list[tuple[str, float]]:
+        """Earlier turns most like `query`, (text, cosine similarity), best first; [] without a
+        memory."""
+        return self.memory.recall(query, k) if self.memory is not None else []
 
     def cancel(self) -> None:
         """Stop the generate() in progress, from any thread: the generation in flight and any
@@ -302,7 +311,8 @@ class Session:
     ) -> SessionRun:
         """A run of the loop over a copy of `messages`, not started: `advance` moves it (and
         others) one generation at a time. Arguments as for generate(); `control=False` opts this
-        run out of the session's control policy."""
+        run out of the session's control policy, and out of the generator's own (noesis.LLM's
+        control: its generate_turn gets control=False)."""
         registry = ToolRegistry.of(tools)
         _check_messages(messages)
         _check_tool_choice(tool_choice, registry)
@@ -310,7 +320,9 @@ class Session:
         if rounds < 0:
             raise InvalidRequest(f"max_tool_rounds must be >= 0, got {rounds}")
         steering = None
-        if control and self.policy is not None:
+        if not control:
+            options["control"] = False
+        elif self.policy is not None:
             from noesis.control.turns import TurnControl
 
             steering = TurnControl(self.policy)

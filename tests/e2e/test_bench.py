@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from noesis.cli import main
 from noesis.telemetry import read_records
 
@@ -74,9 +76,14 @@ def test_bench_against_a_running_server(server, tmp_path, capsys):
 def test_info_timings(tiny_model, capsys):
     assert main(["info", "--model", str(tiny_model), "--device", "cpu", "--timings"]) == 0
     text = capsys.readouterr().out
+    seconds = {line[:30].strip(): float(line.split()[-2])
+               for line in text.splitlines() if line.startswith("    ")}  # the load's parts
+    assert set(seconds) == {"read (files into memory)", "place (device, dtype)"}, text
+    assert all(value >= 0 for value in seconds.values())
+    load = next(float(line.split()[-2]) for line in text.splitlines() if "cold load" in line)
+    assert sum(seconds.values()) == pytest.approx(load, abs=2e-4)  # each printed to 1e-4
     for label in (
         "cold load",
-        "weights read and placed",
         "graph capture",
         "warm-up",
         "prefill",

@@ -91,7 +91,12 @@ def test_streaming_chat_matches_non_streaming(client):
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
     assert finals == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.total_tokens == whole.usage.total_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    # the stream's prompt was cached by the whole answer's request (full pages of it)
+    assert usage.prompt_tokens_details.cached_tokens >= (
+        whole.usage.prompt_tokens_details.cached_tokens)
     assert all(c.usage is None for c in chunks[:-1])
 
 

@@ -65,7 +65,7 @@ def test_bad_chat_bodies_are_400(server, body, param):
         ({"model": MODEL_NAME, "prompt": 5}, "prompt"),
         ({"model": MODEL_NAME, "prompt": []}, "prompt"),
         ({"model": MODEL_NAME, "prompt": "x", "logprobs": 21}, "logprobs"),
-        ({"model": MODEL_NAME, "prompt": "x", "best_of": 3}, "best_of"),
+        ({"model": MODEL_NAME, "prompt": "x", "best_of": 1, "n": 2}, "best_of"),
         ({"model": MODEL_NAME, "prompt": "x", "suffix": "y"}, "suffix"),
         ({"model": MODEL_NAME, "prompt": [[0, 10**9]]}, None),  # token id out of vocab
     ],
@@ -88,13 +88,14 @@ def test_unknown_model_is_404(client):
     assert MODEL_NAME in info.value.body["message"]
 
 
-def test_features_not_yet_supported_are_clear_400s(client):
+def test_unsupported_features_are_clear_400s(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=MODEL_NAME, messages=chat("Hi"), max_tokens=2, extra_body={"logit_bias": {"5": 1}}
+            model=MODEL_NAME, messages=chat("Hi"), max_tokens=2,
+            prediction={"type": "content", "content": "x"},
         )
-    assert info.value.body["param"] == "logit_bias"
-    assert "not supported yet" in info.value.body["message"]
+    assert info.value.body["param"] == "prediction"
+    assert "not supported" in info.value.body["message"]
 
 
 @pytest.mark.parametrize(

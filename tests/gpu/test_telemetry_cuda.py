@@ -15,24 +15,9 @@ pytestmark = [
 ]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import build_checkpoint  # noqa: E402
 
 PROMPTS = [[0, 5, 9, 77, 100, 21], [0, 3] * 20, list(range(2, 90)), [0, 44, 45]]
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_checkpoint(
-        tmp_path_factory.mktemp("gpu-telemetry") / "llama",
-        "llama",
-        std=0.1,
-        dtype=torch.bfloat16,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_hidden_layers=3,
-    )
 
 
 def test_cuda_trace_replays_and_telemetry_counts(checkpoint, tmp_path):

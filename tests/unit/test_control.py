@@ -255,6 +255,7 @@ def test_the_eval_harness_runs_a_policy_through_its_session():
     assert report["controller"] == "default" and greedy["tool_header_forbidden"] == 0.0
     assert all(r.options["params"].metrics and r.options["params"].greedy for r in model.requests)
     assert greedy["missed_tool_calls"] is not None and "unnecessary_tool_calls" in greedy
+    assert greedy["end_to_end_accuracy"] is not None and greedy["mean_tokens_to_answer"] == 4
     with pytest.raises(InvalidRequest, match="unknown controller 'x'.*default, none"):
         harness.evaluate_tools(model, harness.EvalConfig(n=1, controller="x"))
 
@@ -262,8 +263,9 @@ def test_the_eval_harness_runs_a_policy_through_its_session():
 def test_the_cli_offers_the_policies():
     from noesis.cli import main
 
-    with pytest.raises(SystemExit):
-        main(["eval", "tools", "--controller", "bogus"])
+    for flag in ("--control", "--controller"):
+        with pytest.raises(SystemExit):
+            main(["eval", "tools", flag, "bogus"])
 
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"

@@ -136,7 +136,6 @@ def test_compact_json_forbids_optional_whitespace(compiler, tokenizer):
         ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
         ({"type": "object", "unevaluatedProperties": False}, "unevaluatedProperties"),
         ({"oneOf": [{"type": "integer"}, {"minimum": 2}]}, "oneOf"),
-        ({"type": "string", "format": "no-such-format"}, "format"),
         ({"$ref": "https://example.com/remote.json"}, "$ref"),
         (
             {"type": "object", "patternProperties": {"a.*": {}, ".*b": {"type": "integer"}}},
@@ -148,6 +147,22 @@ def test_unsupported_keywords_fail_at_compile_time_naming_the_keyword(compiler, 
     with pytest.raises(UnsupportedSchema, match=re.escape(keyword)) as caught:
         compiler.compile(GrammarSpec.json_schema(schema))
     assert keyword in caught.value.keywords
+
+
+def test_unknown_formats_are_annotations_known_ones_are_enforced(compiler, tokenizer):
+    """Draft 2020-12: a format llguidance does not know leaves the string unconstrained; one it
+    knows still constrains; `not` beside it is still refused; data named "format" is kept."""
+    schema = {"type": "object", "properties": {
+        "link": {"type": "string", "format": "iri-reference"},
+        "day": {"type": "string", "format": "date"},
+        "format": {"enum": ["a"]},
+    }, "required": ["link", "day", "format"]}  # fmt: skip
+    good = '{"link": "no such check", "day": "2024-02-29", "format": "a"}'
+    assert feed(compiler.matcher(GrammarSpec.json_schema(schema)), tokenizer, good)
+    bad_day = '{"link": "x", "day": "yesterday"'
+    assert not feed(compiler.matcher(GrammarSpec.json_schema(schema)), tokenizer, bad_day)
+    with pytest.raises(UnsupportedSchema, match="not"):
+        compiler.compile(GrammarSpec.json_schema({"format": "x-custom", "not": {"type": "null"}}))
 
 
 def test_unsupported_keyword_nested_in_a_property_or_a_lark_grammar(compiler):

@@ -236,4 +236,4 @@ def test_request_metrics_signals_and_histograms(model, checkpoints):
     assert [m.entropy for m in outputs[-1].token_metrics] == signals["entropy"]
     buckets = engine.timing_buckets()
     steps = engine.observer.telemetry.totals["steps"]
-    assert buckets["decode_s"] > 0 and buckets["steps"] == steps and "weights_s" in buckets
+    assert buckets["decode_s"] > 0 and buckets["steps"] == steps and "read_s" in buckets

@@ -105,3 +105,16 @@ def test_config_files_override_defaults(tmp_path: Path):
     object.__setattr__(only_greetings, "rules", only_greetings.rules[:0])
     with pytest.raises(ConfigError, match="miss the router's tasks"):
         only_greetings.check_labels(("greeting",))
+
+
+def test_model_paths_are_bundled_names_absolute_or_relative_to_the_repository(tmp_path: Path):
+    from noesis.weights.hub import bundled_models
+
+    config = load_config()  # bundled names: found from an installed wheel as from a clone
+    assert config.router == bundled_models()["noesis-router"]
+    assert config.experts["noesis-tiny"] == bundled_models()["noesis-tiny"]
+    toml = tmp_path / "voice.toml"
+    toml.write_text(f'router = "models/noesis-router"\n[experts]\nmine = "{tmp_path}"\n')
+    config = load_config(toml)
+    assert (config.router / "config.json").is_file()  # a clone's relative path still works
+    assert config.experts["mine"] == tmp_path

@@ -1,44 +1,57 @@
 """TurnControl: a conversation under a ControlPolicy, one generation at a time (noesis.session
-drives it). Before each generation: the knobs Φ set (relative to the request's own, so greedy stays
-greedy) with per-token metrics switched on, and the emit-vs-tool decision as the tool_choice the
-turn grammar enforces. After it: every token's metrics through the policy, then the tool results
-into the belief.
+drives it). Before each generation: the request's params with metrics on and this control as
+their `control`, and the emit-vs-tool decision as the tool_choice the turn grammar enforces.
+After it: the tool results into the belief.
 
-The fast loop runs per token over each generation's metrics; the knobs it ends on apply from the
-next generation (the engine has no per-token knob seam yet)."""
+The Φ fast loop runs per token inside the generation: the engine asks `knobs(params)` for each
+sampled sequence (noesis.control.knobs) and feeds it every token's metrics, so the
+conversation's belief and Φ carry from one generation into the next. A generator that never
+asks (a test double, a generator without an engine) gets the turn's metrics fed afterwards and
+Φ's knobs applied to its next generation's params instead."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from noesis.control.phi import Phi
+from noesis.control.knobs import TokenKnobs, start_phi
 from noesis.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from noesis.control.policy import ControlPolicy, ControlState
 
 DEFAULT_TURN_TOKENS = 1024  # a turn's max_tokens when the request gives no params (as noesis.LLM)
-DEFAULT_VERIFY_WIDTH = 4
-DEFAULT_THINK_BUDGET = 128
 
 
 class TurnControl:
     def __init__(self, policy: ControlPolicy) -> None:
         self.policy = policy
         self.state: ControlState | None = None
+        self.per_token = False  # the generator's engine has asked for knobs
+        self.steered = 0  # generations (engine requests) of the current turn steered per token
 
     def params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's params with Φ's temperature and top_p (as ratios of the first
-        generation's, which Φ started from) and metrics on."""
+        """The request's params with metrics on and this control steering them. Where the
+        generator does not steer per token, Φ's temperature and top_p (as ratios of the first
+        generation's, which Φ started from) apply to the whole generation instead."""
         base = params or SamplingParams(max_tokens=DEFAULT_TURN_TOKENS)
         if self.state is None:
-            start = Phi(base.temperature, base.top_p, DEFAULT_VERIFY_WIDTH, DEFAULT_THINK_BUDGET)
-            self.state = self.policy.begin(start)
-        now, first = self.state.phi.phi, self.state.phi.base
-        temperature = base.temperature * _ratio(now.temperature, first.temperature)
-        top_p = min(1.0, base.top_p * _ratio(now.top_p, first.top_p))
-        return dataclasses.replace(base, temperature=temperature, top_p=top_p, metrics=True)
+            self.state = self.policy.begin(start_phi(base))
+        self.steered = 0
+        if not self.per_token:
+            now, first = self.state.phi.phi, self.state.phi.base
+            base = dataclasses.replace(
+                base, temperature=base.temperature * _ratio(now.temperature, first.temperature),
+                top_p=min(1.0, base.top_p * _ratio(now.top_p, first.top_p)),
+            )  # fmt: skip
+        return dataclasses.replace(base, metrics=True, control=self)
+
+    def knobs(self, params: SamplingParams) -> TokenKnobs:
+        """The engine's per-token knobs for one sequence of this conversation's generation."""
+        assert self.state is not None, "params() first"
+        self.per_token = True
+        self.steered += 1
+        return TokenKnobs(self.policy, self.state, params)
 
     def tool_choice(self, choice: Any) -> Any:
         """The request's `auto` becomes the policy's decision; any other choice stands."""
@@ -51,9 +64,10 @@ class TurnControl:
         """A generated turn: its tokens' metrics (none from a generator that has none: the
         policy fails soft), and whether it called tools."""
         assert self.state is not None
-        present = [metrics for metrics in token_metrics if metrics is not None]
-        for metrics in present or ([None] if num_tokens else []):  # None: a token without any
-            self.policy.next_phi(self.state, metrics)  # (forced, or an accepted proposal)
+        if not self.steered:  # else the engine fed each token's metrics as it was sampled
+            present = [metrics for metrics in token_metrics if metrics is not None]
+            for metrics in present or ([None] if num_tokens else []):  # None: no metrics at all
+                self.policy.next_phi(self.state, metrics)  # (forced, or an accepted proposal)
         if called:
             self.state.belief.observe_call()
 

@@ -37,6 +37,7 @@ from noesis.engine.children import become_child
 from noesis.engine.engine import Engine, EngineConfig, EngineFault, format_timings
 from noesis.engine.outputs import RequestOutput, merge_deltas
 from noesis.errors import NoesisError
+from noesis.sampling.defaults import generation_defaults
 from noesis.sampling.params import SamplingParams
 from noesis.tokenizer import Tokenizer
 
@@ -44,6 +45,7 @@ log = logging.getLogger("noesis.engine")
 
 Item = RequestOutput | BaseException  # what an Outbox holds for a request: a delta, or its end
 # ("add", request_id, token_ids, params) | ("abort", request_id) | ("stop",)
+# | ("embed", embed_id, prompts, pooling)
 Command = tuple[Any, ...]
 COMPILE_POLL_S = 0.005  # how often an otherwise idle engine loop looks at compiling grammars
 # The child's exit status after a step failed for no one request: "start a fresh engine".
@@ -201,6 +203,14 @@ class EngineInfo:
     tokenizer: Tokenizer
     max_model_len: int
     max_num_seqs: int
+    # generation_config.json's temperature, top_p, top_k, repetition_penalty, where it sets them:
+    # what a request that leaves them unset samples with (noesis.sampling.defaults)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineInfo:
+        return cls(engine.tokenizer, engine.max_model_len, engine.config.max_num_seqs,
+                   generation_defaults(engine.loaded.model_dir))
 
 
 @dataclass(slots=True)
@@ -215,12 +225,15 @@ class EngineStats:
     kv_pages_cached: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed so far (the scheduler's count)
+    generation_tokens: int = 0  # tokens generated so far
     compiling: int = 0  # requests waiting for their grammar
     isolated_steps: int = 0  # steps that failed and were re-run one sequence at a time
     request_errors: int = 0  # requests ended by a failure of their own
     grammar: dict[str, int] = field(default_factory=dict)  # the grammar compiler's stats()
     speculative: dict[str, int] = field(default_factory=dict)  # Engine.spec_counts ({}: off)
     telemetry: dict[str, tuple] = field(default_factory=dict)  # its histograms ({}: off)
+    sidecars: dict[str, dict] = field(default_factory=dict)  # SidecarRuntime.stats() ({}: none)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineStats:
@@ -231,6 +244,7 @@ class EngineStats:
             telemetry=engine.observer.telemetry.snapshot()
             if engine.observer is not None and engine.observer.telemetry is not None else {},
             compiling=engine.num_compiling,
+            sidecars=engine.sidecars.stats() if engine.sidecars is not None else {},
             isolated_steps=engine.fault_counts["isolated_steps"],
             request_errors=engine.fault_counts["request_errors"],
             waiting=len(scheduler.waiting),
@@ -241,6 +255,8 @@ class EngineStats:
             kv_pages_cached=allocator.num_parked,
             prefix_query_tokens=cache.query_tokens if cache else 0,
             prefix_hit_tokens=cache.hit_tokens if cache else 0,
+            prompt_tokens=scheduler.num_prompt_tokens,
+            generation_tokens=scheduler.num_generated_tokens,
         )
 
 
@@ -255,6 +271,8 @@ class Report:
     failed: list[str] = field(default_factory=list)
     error: BaseException | None = None  # why `failed` failed
     stats: EngineStats | None = None
+    # (embed_id, pooled embeddings [N, D] as a float32 numpy array, or why not) per "embed"
+    embedded: list[tuple[str, Any]] = field(default_factory=list)
 
 
 class EngineLoop:
@@ -285,7 +303,7 @@ class EngineLoop:
                 admitted, rejected = self.engine.poll_compiles()
                 report.accepted += admitted
                 report.rejected += rejected
-            if report.accepted or report.rejected:
+            if report.accepted or report.rejected or report.embedded:
                 self.report(report)  # answers now: their responses get ready during the step
                 report = Report()
             fault = self._step(report) if self.engine.has_unfinished() else None
@@ -317,9 +335,18 @@ class EngineLoop:
                         report.accepted.append(request_id)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
+            elif command[0] == "embed":
+                report.embedded.append(self._embed(*command[1:]))
             else:
                 return False
         return True
+
+    def _embed(self, embed_id: str, prompts: list[list[int]], pooling: str) -> tuple[str, Any]:
+        """Pooled embeddings of `prompts`, run here between two steps (never during one)."""
+        try:
+            return embed_id, self.engine.embed(prompts, pooling).numpy()
+        except Exception as exc:
+            return embed_id, exc
 
     def _step(self, report: Report) -> BaseException | None:
         """One engine step into `report`; returns what it raised (the requests in flight then
@@ -352,8 +379,7 @@ class EngineThread:
 
     @property
     def info(self) -> EngineInfo:
-        engine = self.engine
-        return EngineInfo(engine.tokenizer, engine.max_model_len, engine.config.max_num_seqs)
+        return EngineInfo.of(self.engine)
 
     @property
     def alive(self) -> bool:
@@ -499,6 +525,8 @@ class EngineProcess:
             while self._reports.poll():
                 report = self._reports.recv()
                 report.rejected = [(i, _unpack_error(e)) for i, e in report.rejected]
+                report.embedded = [(i, _unpack_error(r) if isinstance(r, tuple) else r)
+                                   for i, r in report.embedded]
                 if report.error is not None:
                     report.error = _unpack_error(report.error)
                 on_report(report)
@@ -519,7 +547,7 @@ def _engine_process_main(
     try:
         engine = Engine(model, config)
         warm_up(engine)
-        info = EngineInfo(engine.tokenizer, engine.max_model_len, config.max_num_seqs)
+        info = EngineInfo.of(engine)
     except BaseException as exc:
         reports.send(("error", _pack_error(exc)))
         return
@@ -560,6 +588,8 @@ class _ChildPipes:
         for out in report.outputs:
             out.prompt_token_ids = []  # the parent has them: never resend a prompt per step
         report.rejected = [(i, _pack_error(e)) for i, e in report.rejected]  # type: ignore[misc]
+        report.embedded = [(i, _pack_error(r) if isinstance(r, BaseException) else r)
+                           for i, r in report.embedded]
         if report.error is not None:
             report.error = _pack_error(report.error)  # type: ignore[assignment]
         self.send(report)
@@ -630,6 +660,7 @@ class AsyncEngine:
         self._restarting = False
         self._restart_times: list[float] = []
         self._restart_task: asyncio.Future | None = None
+        self._embeddings: dict[str, asyncio.Future] = {}  # embed_id -> its result, once reported
         # fault counters of engine processes that were replaced (a fresh one counts from 0)
         self._past_faults = {"isolated_steps": 0, "request_errors": 0}
 
@@ -695,6 +726,19 @@ class AsyncEngine:
             streams.append(RequestStream(self, request, own_outbox=outbox is None))
         return streams
 
+    async def embed(self, prompts: list[list[int]], pooling: str):
+        """Pooled embeddings [N, D] (a float32 numpy array) of whole prompts, which the engine
+        loop computes between two steps; raises what the engine raised (InvalidRequest, ...)."""
+        if self._stopping or self._lost or self._restarting:
+            raise EngineDead("the engine is not running")
+        embed_id = f"emb-{next(self._ids)}"
+        future = self._embeddings[embed_id] = self._loop.create_future()
+        self.backend.send(("embed", embed_id, prompts, pooling))
+        try:
+            return await future
+        finally:
+            self._embeddings.pop(embed_id, None)
+
     def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         if request is not None:
@@ -704,6 +748,9 @@ class AsyncEngine:
         """End every request in flight with `error` (their consumers then abort them)."""
         for request in list(self._requests.values()):
             self._fail(request, error)
+        for future in self._embeddings.values():
+            if not future.done():
+                future.set_exception(error)
 
     def _close(self, request: _Request) -> None:
         """Forget a request; abort it in the engine unless it already ended there.
@@ -735,6 +782,13 @@ class AsyncEngine:
                 request.added.exception()
         if report.outputs:
             self._dispatch(report.outputs)
+        for embed_id, result in report.embedded:
+            future = self._embeddings.get(embed_id)
+            if future is not None and not future.done():
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
         if report.error is not None:
             self.num_step_failures += 1
             for request_id in report.failed:

@@ -12,27 +12,35 @@ import logging
 import random
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from noesis.control.knobs import TokenControl
+from noesis.control.policy import make_policy
+from noesis.engine.config import EngineConfig
 from noesis.engine.loading import LoadedModel, load_model
 from noesis.engine.outputs import RequestOutput
 from noesis.engine.request import RequestState
 from noesis.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from noesis.engine.sequence import FinishReason, Sequence
-from noesis.errors import ConfigError, InvalidRequest, NoesisError, PromptTooLong, check_count
+from noesis.errors import (
+    ConfigError,
+    InvalidRequest,
+    InvalidSamplingParams,
+    NoesisError,
+    PromptTooLong,
+)
 from noesis.kv.allocator import PageAllocator
 from noesis.kv.cache import KVPool, page_bytes
+from noesis.kv.fp8 import cache_dtype
 from noesis.kv.prefix_cache import PrefixCache
 from noesis.models.rope import RotaryEmbedding
 from noesis.runner.runner import LaunchedStep, ModelRunner
-from noesis.sampling.params import INT64_MAX, SamplingParams
+from noesis.sampling.params import SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from noesis.speculative.config import SpeculativeConfig
     from noesis.speculative.proposer import StepProposals
     from noesis.telemetry.observer import EngineObserver
 
@@ -49,74 +57,29 @@ class EngineFault(NoesisError):
     in flight is lost, and the engine should be rebuilt before it serves again."""
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    page_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None  # bytes for the KV pool; default sized from the device
-    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory noesis may fill
-    cuda_graphs: bool = True  # CUDA: capture decode steps at load
-    max_graph_batch: int | None = None  # largest captured batch (default: min(max_num_seqs, 128))
-    seed: int = 0  # seeds the per-request seeds of requests that bring none
-    enable_prefix_caching: bool = False  # reuse KV pages of full-page prefixes across requests
-    # Plan and launch the next step while the device still runs this one (default: on CUDA).
-    # Steps whose sequences need their last token on the host (grammars, penalties) wait.
-    overlap_steps: bool | None = None
-    revision: str | None = None
-    progress: bool = True
-    # Speculative decoding (noesis.speculative): a draft model or prompt lookup proposes tokens
-    # that one target forward verifies; greedy output is unchanged, sampled output keeps the
-    # target's distribution. None: off.
-    speculative: SpeculativeConfig | None = None
-    # Telemetry (noesis.telemetry): True collects per-step and per-request records in memory
-    # (RequestOutput.metrics, the server's histograms); a path also writes them as JSON lines.
-    telemetry: bool | str = False
-    # Deterministic replay: record a trace at `trace` (model hashes, seeds, every step's batch
-    # and tokens) that `noesis replay` reproduces token for token. A trace implies it.
-    deterministic: bool = False
-    trace: str | None = None
-
-    def __post_init__(self) -> None:
-        # Sizes end up in int64 tensors: whole numbers below 2^63.
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            check_count(name, getattr(self, name), 1, INT64_MAX)
-        for name in ("max_model_len", "kv_cache_memory", "max_graph_batch"):
-            if getattr(self, name) is not None:
-                lo = 2 if name == "max_model_len" else 1
-                check_count(name, getattr(self, name), lo, INT64_MAX)
-        check_count("seed", self.seed, 0, INT64_MAX)
-        utilization = self.gpu_memory_utilization
-        if not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
-        if not isinstance(self.telemetry, (bool, str)) or self.telemetry == "":
-            raise ConfigError(f"telemetry must be True, False or a file path, got "
-                              f"{self.telemetry!r}")
-        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
-            raise ConfigError(f"trace must be a file path, got {self.trace!r}")
-        if self.deterministic and self.trace is None:
-            raise ConfigError("deterministic mode records a trace: give its path (trace=PATH, "
-                              "--trace PATH)")
-        if self.speculative is not None:
-            from noesis.speculative.config import SpeculativeConfig
-
-            if not isinstance(self.speculative, SpeculativeConfig):
-                raise ConfigError("speculative must be a noesis.SpeculativeConfig, got "
-                                  f"{type(self.speculative).__name__}")
-
-
 class Engine:
     def __init__(self, model: str, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.loaded: LoadedModel = load_model(
-            model, config.device, config.dtype, config.revision, config.progress
-        )
+        self.parallel = None  # TensorParallel: this engine is rank 0 of several
+        if config.tensor_parallel_size > 1:
+            from noesis.distributed.launch import TensorParallel
+
+            self.parallel = TensorParallel(model, config)
+            self.loaded: LoadedModel = self.parallel.load(model, config)
+        else:
+            self.loaded = load_model(
+                model, config.device, config.dtype, config.revision, config.progress,
+                gguf_weights=config.gguf_weights,
+            )
         model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.device = self.loaded.device
+        # The batch and step sizes left to the device are settled now that it is known.
+        self.config = config = config.for_device(self.device.type)
+        if self.device.type == "cuda":
+            from noesis.kernels import ops
+
+            ops.configure(config.triton_kernels, config.one_row_fusion, config.pdl)
         self.max_model_len = _max_model_len(config, model_config.max_position_embeddings)
         # Before the KV pool: on CUDA the pool takes what is free, so the tables come first.
         rope = RotaryEmbedding(
@@ -128,8 +91,9 @@ class Engine:
                               "proposals")
         # Before the target's pool too: a draft model and its pool take their share first.
         self.speculator = self._speculator() if config.speculative is not None else None
+        self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.loaded.dtype)
         num_pages = self._num_pages()
-        self.kv = KVPool(model_config, num_pages, config.page_size, self.loaded.dtype, self.device,
+        self.kv = KVPool(model_config, num_pages, config.page_size, self.kv_dtype, self.device,
                          max_num_seqs=config.max_num_seqs)
         self.allocator = PageAllocator(num_pages, config.page_size)
         # A length-dependent rope (dynamic NTK, longrope) rotates a prefix differently for
@@ -151,13 +115,20 @@ class Engine:
             self.allocator,
             self.prefix_cache,
         )
-        self.runner = ModelRunner(
+        make_runner = ModelRunner if self.parallel is None else self.parallel.runner
+        self.runner = make_runner(
             self.loaded.model, self.kv, rope, self.device, self.max_model_len,
             max_num_seqs=config.max_num_seqs,
         )
+        if config.batch_invariant:  # before graph capture: the graphs record its kernels
+            self._batch_invariant()
+        if config.kv_cache_dtype == "fp8":  # before graph capture too
+            from noesis.runner import fp8_attention
+
+            fp8_attention.enable(self.runner, self.tokenizer, self.loaded.dtype)
         self.timings = {"load_s": self.loaded.load_seconds, **self.loaded.load_phases,
                         "capture_s": 0.0, "warmup_s": 0.0}
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and self.parallel is None:
             # A graph row is one query token: a verify row takes 1 + k of them.
             rows = 1 + (config.speculative.k if config.speculative is not None else 0)
             max_batch = config.max_graph_batch or min(config.max_num_seqs * rows, 128)
@@ -179,6 +150,15 @@ class Engine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.observer: EngineObserver | None = None
+        # Side models (noesis.sidecars.SidecarRuntime): handed each step's outputs without
+        # waiting; the results that arrived since the step before are in `sidecar_results`.
+        self.sidecars = config.sidecars.build() if config.sidecars is not None else None
+        self.sidecar_results: list = []
+        self._unreported: list[RequestOutput] = []  # unstreamed requests' progress, for sidecars
+        # The control plane's per-token knobs (noesis.control.knobs): the engine's policy for
+        # requests that allow it, or a conversation's own (SamplingParams.control).
+        self.control = TokenControl(None if config.control in (None, "none")
+                                    else make_policy(config.control))  # fmt: skip
         if config.telemetry or config.trace:
             from noesis.telemetry.observer import EngineObserver
 
@@ -187,8 +167,9 @@ class Engine:
     def warm_up(self, new_tokens: int = 4) -> float:
         """Run one short greedy request through prefill and decode before serving (first-call
         costs paid, the allocator touched); books and returns its seconds. It is neither traced
-        nor in the telemetry."""
+        nor in the telemetry, nor shown to the sidecars."""
         observer, self.observer = self.observer, None
+        sidecars, self.sidecars = self.sidecars, None
         if observer is not None and observer.trace is not None:  # a replay warms up here too
             observer.trace.write({"kind": "warm_up", "step": observer.steps})
         prompt_len = max(1, min(16, self.max_model_len // 2))
@@ -202,13 +183,13 @@ class Engine:
             while self.has_unfinished():
                 self.step()
         finally:
-            self.observer = observer
+            self.observer, self.sidecars = observer, sidecars
         self.timings["warmup_s"] = time.perf_counter() - start
         logger.info("engine warmed up: %s", format_timings(self.timings))
         return self.timings["warmup_s"]
 
     def timing_buckets(self) -> dict[str, float]:
-        """Start-up seconds (load: prepare and weights, graph capture, warm-up) and, with telemetry
+        """Start-up seconds (load: read and place, graph capture, warm-up) and, with telemetry
         on, the device seconds of prefill and decode steps and the host seconds of steps."""
         buckets = dict(self.timings)
         telemetry = self.observer.telemetry if self.observer is not None else None
@@ -226,6 +207,14 @@ class Engine:
             self.observer = None
             self.runner.timing = False
 
+    def _batch_invariant(self) -> None:
+        from noesis.runner import batch_invariant
+
+        if self.parallel is not None or self.speculator is not None:
+            raise ConfigError("batch_invariant covers one device without speculative decoding: "
+                              "drop tensor_parallel_size or the speculative options")
+        batch_invariant.enable(self.runner)
+
     def _speculator(self):
         from noesis.speculative.speculator import Speculator
 
@@ -240,7 +229,7 @@ class Engine:
 
     def _num_pages(self) -> int:
         cfg = self.config
-        per_page = page_bytes(self.loaded.config, cfg.page_size, self.loaded.dtype)
+        per_page = page_bytes(self.loaded.config, cfg.page_size, self.kv_dtype)
         wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.page_size)
         budget = cfg.kv_cache_memory
         if budget is None:
@@ -293,11 +282,14 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids, text = self._tokenize(prompt)
+        self._check_logit_bias(params)
         seq = self._make_sequence(token_ids, params, request_id)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         state = RequestState(seq, text, detok, stream=stream, delta=delta)
         if params.logprobs is not None:
             state.logprobs = []
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first prompt token has nothing before it
         if params.metrics:
             state.token_metrics = []
         if params.grammar is None:
@@ -341,7 +333,8 @@ class Engine:
                 admitted.append(request_id)
         return admitted, rejected
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    def _tokenize(self, prompt: str | list[int], room: int = 1) -> tuple[list[int], str | None]:
+        """Token ids (and the text) of a prompt that leaves `room` tokens of the context free."""
         if isinstance(prompt, str):
             token_ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, (list, tuple)) and all(
@@ -356,9 +349,16 @@ class Engine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:10]}")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) + room > self.max_model_len:
             raise PromptTooLong(len(token_ids), self.max_model_len)
         return token_ids, text
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.loaded.config.vocab_size
+        bad = [token for token, _ in params.logit_bias or () if token >= vocab]
+        if bad:
+            message = f"token ids out of the vocabulary [0, {vocab}): {bad[:10]}"
+            raise InvalidSamplingParams("logit_bias", message)
 
     def _make_sequence(
         self, token_ids: list[int], params: SamplingParams, request_id: str | None
@@ -374,9 +374,11 @@ class Engine:
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Sequence(
+        seq = Sequence(
             seq_id, request_id, token_ids, len(token_ids), params, limit, seed, frozenset(stop_ids)
         )
+        seq.knobs = self.control.knobs(params)
+        return seq
 
     def grammar_compiler(self):
         """The tokenizer's grammar compiler (llguidance), built once; its cache is shared."""
@@ -419,6 +421,21 @@ class Engine:
         (not the compiling requests: poll_compiles() admits those)."""
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ended)
 
+    def embed(self, prompts: list[str | list[int]], pooling: str = "last") -> torch.Tensor:
+        """Normalized pooled final hidden states [N, D] (float32, host) of whole prompts: the
+        last token's ("last") or the mean over tokens ("mean"). Runs the loaded model now, on
+        the caller's thread, so call it between steps (noesis.runner.pooling)."""
+        from noesis.runner.pooling import pooled_hidden
+
+        if not prompts:
+            raise InvalidRequest("nothing to embed: give at least one prompt")
+        if self.parallel is not None:
+            raise ConfigError("embeddings are not supported with tensor parallelism yet")
+        # A prompt to embed may fill the context: nothing is generated after it.
+        token_ids = [self._tokenize(prompt, room=0)[0] for prompt in prompts]
+        budget = self.config.max_num_batched_tokens
+        return pooled_hidden(self.runner, token_ids, pooling, budget)
+
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -426,11 +443,23 @@ class Engine:
         (With telemetry on, the step's host time, less the device's, is booked.)"""
         observer = self.observer
         if observer is None:
-            return self._step()
+            return self._to_sidecars(self._step())
         start, blocked = time.perf_counter(), observer.blocked_ms
-        outputs = self._step()
+        outputs = self._to_sidecars(self._step())
         host_ms = (time.perf_counter() - start) * 1e3 - (observer.blocked_ms - blocked)
         observer.end_step(host_ms, idle=not self.has_unfinished())
+        return outputs
+
+    def _to_sidecars(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Hand the step's outputs (and the unstreamed requests' progress, which only sidecars
+        see) to the sidecars; end the requests their results block."""
+        if self.sidecars is None:
+            return outputs
+        unreported, self._unreported = self._unreported, []
+        self.sidecar_results = self.sidecars.after_step(outputs + unreported)
+        for result in self.sidecar_results:
+            if result.decision == "block":
+                self.filter_request(result.request_id, result.reason)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -455,6 +484,8 @@ class Engine:
         if plan:
             try:
                 launched = self._launch(plan, previous)
+            except EngineFault:  # no request explains it (a tensor-parallel rank died)
+                raise
             except Exception as exc:
                 return outputs + self._isolate(plan, previous, exc)
             self._lone_failures = 0
@@ -533,6 +564,20 @@ class Engine:
             self.observer.finished(state)
         self._ended.append(state.output())
 
+    def filter_request(self, request_id: str, reason: str) -> None:
+        """End one request with finish_reason "content_filter" and `reason` (a sidecar blocked
+        it); the text it already streamed stays streamed. Its output comes with the next step's."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return  # finished or ended before the sidecar's result came
+        logger.info("request %s blocked: %s", request_id, reason)
+        self.scheduler.finish(state.seq, FinishReason.CONTENT_FILTER)
+        self._release_speculation(state.seq)
+        state.filter_reason = reason
+        if self.observer is not None:
+            self.observer.finished(state)
+        self._ended.append(state.output())
+
     def _take_ended(self) -> list[RequestOutput]:
         ended, self._ended = self._ended, []
         return ended
@@ -552,6 +597,8 @@ class Engine:
         """Read a launched step back and turn it into request outputs."""
         plan = launched.plan
         sampled = self.runner.fetch(launched)
+        if launched.prompt_logprobs:
+            self._add_prompt_logprobs(launched.prompt_logprobs)
         observer = self.observer
         if observer is not None:
             lengths = {seq.seq_id: len(seq.token_ids) for seq in launched.seqs}
@@ -562,6 +609,7 @@ class Engine:
         )
         self._book_speculation(launched, sampled)
         self._advance_grammars(plan, sampled)
+        _steer(launched, sampled)
         requests = self._requests
         advanced = [requests[seq.request_id] for seq in took if seq.request_id in requests]
         for state in advanced:
@@ -571,7 +619,8 @@ class Engine:
                 token = sampled[state.seq.seq_id]
                 state.token_metrics += [None] * len(token.accepted) + [token.metrics]
                 del state.token_metrics[len(state.seq.token_ids) - state.seq.prompt_len :]
-        self._detokenize([s for s in advanced if s.incremental or s.seq.finished])
+        watched = self.sidecars is not None  # sidecars read every request's text as it grows
+        self._detokenize([s for s in advanced if s.incremental or s.seq.finished or watched])
         if observer is not None:
             observer.completed(launched, lengths, sampled)
         outputs = []
@@ -583,10 +632,23 @@ class Engine:
                 observer.finished(state)
             if state.stream or seq.finished:
                 outputs.append(state.output())
+            elif watched and not state.delta:
+                self._unreported.append(state.output())
             if seq.finished:
                 del self._requests[seq.request_id]
                 self._release_speculation(seq)
         return outputs
+
+    def _add_prompt_logprobs(self, scored: list) -> None:
+        """Each scored chunk's prompt logprobs to its request, in prompt order; a prompt
+        computed again after a preemption adds nothing it has already."""
+        for seq, first, entries in scored:
+            state = self._requests.get(seq.request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            have = len(state.prompt_logprobs)
+            if first <= have:
+                state.prompt_logprobs += entries[have - first :]
 
     def _book_speculation(self, launched: LaunchedStep, sampled: dict) -> None:
         """Each sampled row's outcome to its depth controller and the counters."""
@@ -664,13 +726,22 @@ class Engine:
 
 
 def format_timings(timings: dict[str, float]) -> str:
-    """Start-up buckets on one line: 'load 1.20 s (prepare 0.10 s, weights 1.10 s), ...'."""
+    """Start-up buckets on one line: 'load 1.20 s (read 0.90 s, place 0.30 s), ...'."""
     parts = [f"load {timings['load_s']:.2f} s"]
-    if "prepare_s" in timings:
-        parts[0] += f" (prepare {timings['prepare_s']:.2f} s, weights {timings['weights_s']:.2f} s)"
+    if "read_s" in timings:
+        parts[0] += f" (read {timings['read_s']:.2f} s, place {timings['place_s']:.2f} s)"
     parts.append(f"graph capture {timings['capture_s']:.2f} s")
     parts.append(f"warm-up {timings['warmup_s']:.2f} s")
     return ", ".join(parts)
+
+
+def _steer(launched: LaunchedStep, sampled: dict) -> None:
+    """Each controlled row's metrics to its knobs, read by the next step planned (with
+    overlapped steps, the one after the step already in flight). Verify rows have no metrics."""
+    for seq in launched.seqs:
+        token = sampled.get(seq.seq_id)
+        if seq.knobs is not None and token is not None and not token.proposed:
+            seq.knobs.observe(token.metrics)
 
 
 def _grammar_detail(matcher) -> str:

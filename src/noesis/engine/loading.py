@@ -15,9 +15,19 @@ from noesis.models.decoder import DecoderLM
 from noesis.models.registry import model_class
 from noesis.tokenizer import Tokenizer
 from noesis.weights.files import CONFIG_MAX_BYTES, read_json_file
+from noesis.weights.gguf import (
+    gguf_config,
+    is_gguf,
+    keeps_packed,
+    load_gguf_weights,
+    open_gguf,
+    pack_gguf_projections,
+)
+from noesis.weights.gguf_tokenizer import gguf_tokenizer
 from noesis.weights.hub import resolve_model_dir
 from noesis.weights.loader import load_weights
 from noesis.weights.memory import check_fits, weight_needs
+from noesis.weights.paging import ReadClock
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +51,10 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
-    # prepare_s: config, tokenizer and the model's skeleton; weights_s: device memory
-    # allocated and the checkpoint's tensors read into it (the loader interleaves the two).
+    # The cold load in two buckets that sum to load_seconds. read_s: the model's files into
+    # memory (config, tokenizer, the checkpoint's tensors from disk or the page cache; the
+    # skeleton built on the meta device, a few ms, counts here too); place_s: device memory
+    # allocated, the tensors converted to the dtype and copied into it.
     load_phases: dict[str, float] = field(default_factory=dict)
     bytes_read: int = 0  # of checkpoint tensors: a multimodal checkpoint's text model only
 
@@ -92,17 +104,26 @@ def load_model(
     dtype="auto",
     revision: str | None = None,
     progress: bool = True,
+    gguf_weights: str = "auto",
 ) -> LoadedModel:
+    """`gguf_weights` (GGUF files): "packed", "dequantized", or "auto" (EngineConfig's)."""
     start = time.perf_counter()
-    model_dir = resolve_model_dir(model, revision)
-    config = read_model_config(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir, config.eos_token_ids)
+    gguf = open_gguf(model) if is_gguf(model) else None
+    if gguf is not None:  # one file: metadata, vocabulary and (quantized) tensors
+        model_dir, config = gguf.path, gguf_config(gguf)
+        tokenizer = gguf_tokenizer(gguf, config)
+    else:
+        model_dir = resolve_model_dir(model, revision)
+        config = read_model_config(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir, config.eos_token_ids)
     if config.family == "gpt_oss":
         _render_harmony(tokenizer)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
         module = model_class(config)(config)
+    if gguf is not None and keeps_packed(gguf_weights, device):
+        pack_gguf_projections(module, config, gguf)
     check_fits(
         weight_needs(module, config, dtype), device, f"the model's weights in {_dtype_name(dtype)}",
         "Use a smaller model, a narrower dtype or a device with more memory.",
@@ -115,12 +136,17 @@ def load_model(
         raise ConfigError(
             f"the model's weights ({size / 2**30:.2f} GiB in {dtype}) do not fit on {device}"
         ) from exc
-    bytes_read = load_weights(module, config, model_dir, progress=progress)
+    clock = ReadClock()
+    if gguf is not None:
+        bytes_read = load_gguf_weights(module, config, gguf, progress=progress, clock=clock)
+    else:
+        bytes_read = load_weights(module, config, model_dir, progress=progress, clock=clock)
     module.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the copies are done: place_s is the whole placement
     end = time.perf_counter()
-    phases = {"prepare_s": placing - start, "weights_s": end - placing}
+    read_s = placing - start + clock.seconds
+    phases = {"read_s": read_s, "place_s": end - start - read_s}
     return LoadedModel(model_dir, config, module, tokenizer, device, dtype, end - start, phases,
                        bytes_read)
 
@@ -145,15 +171,25 @@ def _render_harmony(tokenizer: Tokenizer) -> None:
     tokenizer.render_with_harmony(encoding)
 
 
-def describe_checkpoint(model: str | Path, dtype="auto", device="cpu") -> dict[str, str]:
+def describe_checkpoint(model: str | Path, dtype="auto", device="cpu",
+                        revision: str | None = None) -> dict[str, str]:
     """What `noesis info` prints, read from config.json and safetensors headers (no weights)."""
     from noesis.kv.cache import page_bytes
+    from noesis.kv.fp8 import FP8
+    from noesis.quant.info import packed_weight_lines
+    from noesis.weights.gguf import describe_gguf
     from noesis.weights.safetensors_io import checkpoint_files, tensor_index
 
-    model_dir = resolve_model_dir(model)
-    config = read_model_config(model_dir)
-    files = checkpoint_files(model_dir)
-    params = _parameter_counts(tensor_index(files), config)  # capability -> count, "experts"
+    gguf = open_gguf(model) if is_gguf(model) else None
+    if gguf is not None:
+        model_dir, config, files = gguf.path, gguf_config(gguf), [gguf.path]
+        index = {name: (gguf.path, gguf.shape(name)) for name in gguf.tensors}
+    else:
+        model_dir = resolve_model_dir(model, revision)
+        config = read_model_config(model_dir)
+        files = checkpoint_files(model_dir)
+        index = tensor_index(files)
+    params = _parameter_counts(index, config)  # capability -> count, "experts"
     num_params = sum(count for name, count in params.items() if name != "experts")
     target = resolve_dtype(dtype, config, resolve_device(device))
     elem = torch.empty((), dtype=target).element_size()
@@ -174,20 +210,48 @@ def describe_checkpoint(model: str | Path, dtype="auto", device="cpu") -> dict[s
         "context": str(config.max_position_embeddings),
         "rope": f"{config.rope.rope_type}, theta {config.rope.theta:g}",
         "tied embeddings": str(config.tie_word_embeddings),
-        "KV cache per token": f"{kv_per_token:,} bytes",
+        "KV cache per token": f"{kv_per_token:,} bytes ({page_bytes(config, 1, FP8):,} with "
+                              "--kv-cache-dtype fp8)",
     }
+    if gguf is not None:
+        info |= describe_gguf(gguf) | _gguf_weight_lines(gguf, config, target, device)
+    info |= packed_weight_lines(index, config, target)  # AWQ / GPTQ: bytes packed vs float
     return info | _routed_and_conv(config, params["text"], params["experts"], elem)
+
+
+def _gguf_weight_lines(gguf, config: ModelConfig, dtype: torch.dtype,
+                       device: str) -> dict[str, str]:
+    """`noesis info`'s GGUF memory lines: the weights with the block-quantized projections
+    packed, against all of them dequantized, and which of the two a load on `device` keeps."""
+    with torch.device("meta"):
+        module = model_class(config)(config)
+    floats = sum(need.num_bytes for need in weight_needs(module, config, dtype))
+    pack_gguf_projections(module, config, gguf)
+    packed = sum(need.num_bytes for need in weight_needs(module, config, dtype))
+    on = resolve_device(device)
+    kept = (f"{_gib(packed)} (projections packed, the rest in {_dtype_name(dtype)})"
+            if keeps_packed("auto", on) else
+            f"{_gib(floats)} (dequantized to {_dtype_name(dtype)} at load)")
+    return {
+        "weights in memory": kept,
+        "gguf packed weights": f"{_gib(packed)}, {packed / floats:.0%} of {_gib(floats)} "
+                               f"dequantized (default on CUDA; --gguf-weights chooses)",
+    }
 
 
 def _parameter_counts(index: dict, config: ModelConfig) -> dict[str, int]:
     """Parameters per capability ("text", "vision", ...) and, under "experts", those of routed
     experts, from tensor shapes: an MXFP4 block byte holds two values and its scales none."""
+    from noesis.quant.info import values_held
+    from noesis.quant.scheme import weight_quant
     from noesis.weights.mapping import capability_of
 
+    quant = weight_quant(config)
     counts = dict.fromkeys((*config.capabilities, "experts"), 0)
     for key, (_, shape) in index.items():
         count = _numel(shape) * (2 if key.endswith("_blocks") else 1)
         count = 0 if key.endswith("_scales") else count
+        count = values_held(key, count, quant)  # AWQ / GPTQ words hold several values
         counts[capability_of(key, config)] += count
         counts["experts"] += count if ".experts." in key else 0
     return counts

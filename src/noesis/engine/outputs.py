@@ -18,11 +18,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "content_filter"
     logprobs: list[dict[int, float]] | None  # one dict per generated token when asked
     finished: bool
     num_preemptions: int = 0
     error: str | None = None  # why it ended, when finish_reason is "error"
+    # Prompt tokens whose KV came from the prefix cache (their prefill skipped), as OpenAI's
+    # usage.prompt_tokens_details.cached_tokens; 0 without prefix caching.
+    num_cached_tokens: int = 0
     # Speculative decoding, totals so far (delta outputs too): proposed tokens verified, and
     # those the target accepted. 0 when speculation is off or never ran for this request.
     spec_proposed: int = 0
@@ -34,6 +37,12 @@ class RequestOutput:
     # was sampled from (noesis.sampling.metrics.TokenMetrics); None for tokens accepted from
     # speculative proposals. None when not asked.
     token_metrics: list[TokenMetrics | None] | None = None
+    delta: bool = False  # text and token_ids are what is new since the request's last output
+    filter_reason: str | None = None  # why a sidecar blocked it (finish_reason "content_filter")
+    # SamplingParams(prompt_logprobs=k): per prompt token, its top-k and its own logprob under
+    # the model's distribution at the position before it; None for the first token. A delta
+    # output carries it only in the request's first output.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
@@ -58,8 +67,12 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         finished=last.finished,
         num_preemptions=last.num_preemptions,
         error=last.error,
+        num_cached_tokens=last.num_cached_tokens,
         spec_proposed=last.spec_proposed,
         spec_accepted=last.spec_accepted,
         metrics=last.metrics,
         token_metrics=token_metrics,
+        delta=last.delta,
+        filter_reason=last.filter_reason,
+        prompt_logprobs=deltas[0].prompt_logprobs,
     )

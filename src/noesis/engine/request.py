@@ -23,11 +23,14 @@ class RequestState:
     delta: bool = False  # each output carries only what is new since the last one
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), as prefill scores them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     hold_back: int = field(init=False)  # chars kept from streams: a stop string may be forming
     prompt_token_ids: list[int] = field(init=False)  # copied once; outputs share it
     sent_chars: int = 0  # delta mode: text and tokens already handed out
     sent_tokens: int = 0
     error: str | None = None  # set when a failure of this request alone ended it
+    filter_reason: str | None = None  # set when a sidecar's "block" ended it
     metrics: RequestMetrics | None = None  # telemetry on: updated as its steps are read back
     token_metrics: list[TokenMetrics | None] | None = None  # SamplingParams.metrics: per token
 
@@ -79,12 +82,17 @@ class RequestState:
             finished=seq.finished,
             num_preemptions=seq.num_preemptions,
             error=self.error,
+            num_cached_tokens=seq.num_cached_tokens,
             spec_proposed=seq.spec_proposed,
             spec_accepted=seq.spec_accepted,
             metrics=self.metrics.copy() if self.metrics is not None else None,
             token_metrics=(
                 self.token_metrics[start_tokens:] if self.token_metrics is not None else None
             ),
+            delta=self.delta,
+            filter_reason=self.filter_reason,
+            # shared, not copied: complete before the first token; a delta carries it once
+            prompt_logprobs=self.prompt_logprobs if start_tokens == 0 else None,
         )
 
 

@@ -39,10 +39,16 @@ class ScheduledSeq:
     num_tokens: int  # tokens fed this step, starting at seq.num_computed (proposals included)
     num_draft: int = 0  # of which the last ones are proposals to verify (a verify row)
     samples: bool = field(init=False)  # the step reaches the last known token: sample a new one
+    # SamplingParams.prompt_logprobs: the first rows fed whose logits score the prompt token
+    # after them (positions before the prompt's last); 0 when not asked.
+    num_scored: int = field(init=False)
 
     def __post_init__(self) -> None:
-        known = self.num_tokens - self.num_draft
-        self.samples = self.seq.num_computed + known == self.seq.num_tokens
+        seq, known = self.seq, self.num_tokens - self.num_draft
+        self.samples = seq.num_computed + known == seq.num_tokens
+        self.num_scored = 0
+        if seq.params.prompt_logprobs is not None:
+            self.num_scored = max(0, min(self.num_tokens, seq.prompt_len - 1 - seq.num_computed))
 
 
 @dataclass
@@ -73,6 +79,10 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Cumulative token counts behind the throughput a server logs: prompt tokens computed
+        # (prefill, recomputation after preemption included) and tokens generated.
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         pages = self.allocator.pages_for(seq.max_len)
@@ -136,7 +146,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted while its last step ran: admit once it is read back
                 break
-            if self.prefix_cache is not None:
+            # Prompt logprobs need the logits of every prompt position: no cached prefix.
+            if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
                 self.prefix_cache.attach(seq)
             num_tokens = min(seq.num_uncomputed, budget)
             need = self._pages_missing(seq, num_tokens)
@@ -181,7 +192,9 @@ class Scheduler:
         verdict), and each sampling sequence owes one pending token, so the next step can be
         planned before this one is read back."""
         for item in plan.scheduled:
-            item.seq.num_computed += item.num_tokens - item.num_draft
+            seq, known = item.seq, item.num_tokens - item.num_draft
+            self.num_prompt_tokens += max(0, min(known, seq.prompt_len - seq.num_computed))
+            seq.num_computed += known
             if item.samples:
                 item.seq.num_pending += 1
 
@@ -204,7 +217,9 @@ class Scheduler:
             if item.samples:
                 seq.num_pending -= 1
                 kept = accepted.get(seq.seq_id, []) if accepted else []
+                length = len(seq.token_ids)
                 reason = self._append_chain(seq, [*kept, sampled[seq.seq_id]])
+                self.num_generated_tokens += len(seq.token_ids) - length
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(seq)
             if reason is not None:

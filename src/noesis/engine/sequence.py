@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from noesis.sampling.params import SamplingParams
 from noesis.structured.matcher import GrammarMatcher  # no torch: the planner stays host-only
@@ -20,6 +21,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"  # a failure of this request alone (its knobs, grammar, logits); see `error`
+    CONTENT_FILTER = "content_filter"  # a sidecar (noesis.sidecars) blocked it; see `filter_reason`
 
 
 @dataclass(slots=True)
@@ -41,7 +43,11 @@ class Sequence:
     num_preemptions: int = 0
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full pages
     num_cached_pages: int = 0  # leading pages taken from or given to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     matcher: GrammarMatcher | None = None  # the request's grammar state, fed each sampled token
+    # Per-token temperature and top_p from the control plane (noesis.control.knobs.TokenKnobs),
+    # fed each sampled token's metrics; None: the params' own.
+    knobs: Any = None
     # Tokens sampled by steps still running on the device (overlapped scheduling): they count
     # towards the length and progress, and join `token_ids` when their step is read back.
     num_pending: int = 0

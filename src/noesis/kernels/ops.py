@@ -1,23 +1,33 @@
 """Fused operations, dispatched on the tensors' device: Triton on CUDA, PyTorch elsewhere.
 
 The PyTorch versions are the reference: they round exactly where the Hugging Face eager code
-rounds, so float32 parity holds on CPU. Set NOESIS_DISABLE_TRITON=1 to force them on CUDA.
+rounds, so float32 parity holds on CPU. EngineConfig(triton_kernels=False) (`--no-triton-kernels`)
+forces them on CUDA.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+TRITON = True  # EngineConfig.triton_kernels: False runs the PyTorch ops on CUDA too
+
+
+def configure(triton: bool, one_row_fusion: bool, pdl: bool) -> None:
+    """Set the process-wide kernel switches from an EngineConfig (an engine built on CUDA calls
+    this; benchmarks flip the flags directly to compare paths in one process)."""
+    global TRITON, ONE_ROW_FUSION
+    TRITON, ONE_ROW_FUSION = triton, one_row_fusion
+    kernels = _triton() if triton else None
+    if kernels is not None:
+        kernels.PDL = kernels._GDC and pdl  # _GDC: this Triton can emit PDL
+
 
 @functools.cache
 def _triton():
-    if os.environ.get("NOESIS_DISABLE_TRITON") == "1":
-        return None
     try:
         from noesis.kernels import triton_kernels
     except ImportError as exc:  # asked for on CUDA tensors only, so CPU-only installs stay quiet
@@ -28,7 +38,7 @@ def _triton():
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and _triton() is not None
+    return x.is_cuda and TRITON and _triton() is not None
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -46,12 +56,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 ONE_ROW_GEMV = True  # benchmarks flip these to compare against cuBLAS in one process
 # The fused one-row decoder block (DecoderLayer.forward_one_row) for batch-1 decode on CUDA; on
-# by default (NOESIS_ONE_ROW_FUSION=0 turns it off). On an H200 it took the batch-1 graph from
-# 4.50 to 4.10 ms (8B shape) and from 1.057 to 0.879 ms (1B) (`STAGES=fusion-ab bash
-# benchmarks/gpu_session.sh`, 2026-11-23). Checked against the unfused blocks under Triton's
-# interpreter, compiled for sm_90 on the CPU (tests/unit/test_kernels_compile.py) and on the GPU
-# (tests/gpu/test_cuda.py).
-ONE_ROW_FUSION = os.environ.get("NOESIS_ONE_ROW_FUSION", "1") != "0"
+# by default (EngineConfig.one_row_fusion, `--no-one-row-fusion`, turns it off). On an H200 it
+# took the batch-1 graph from 4.50 to 4.10 ms (8B shape) and from 1.057 to 0.879 ms (1B)
+# (`STAGES=fusion-ab bash benchmarks/gpu_session.sh`, 2026-11-23). Checked against the unfused
+# blocks under Triton's interpreter, compiled for sm_90 on the CPU
+# (tests/unit/test_kernels_compile.py) and on the GPU (tests/gpu/test_cuda.py).
+ONE_ROW_FUSION = True
 
 
 def _one_half_precision_row(x: torch.Tensor) -> bool:

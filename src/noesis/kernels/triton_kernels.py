@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -36,12 +35,12 @@ except ImportError:  # older Triton: the kernels run without PDL (their branches
 
 # Programmatic dependent launch (Hopper on): the batch-1 path's kernels (one-row projections and
 # decode attention) let the next kernel launch while they finish, and wait for the one before
-# them only when they start reading. On by default on sm_90 and later (NOESIS_PDL=0 turns it
-# off): on an H200 it took the 8B shape's batch-1 graph from 4.10 to 3.93-3.98 ms and the 1B
-# one's from 0.879 to 0.804-0.814 (graph_ab.py --what pdl, 2026-11-23). Never under Triton's
-# interpreter, which cannot run the griddepcontrol instructions, and not with a Triton too old
-# to emit them.
-PDL = _GDC and os.environ.get("NOESIS_PDL", "1") != "0"
+# them only when they start reading. On by default on sm_90 and later (EngineConfig.pdl,
+# `--no-pdl`, turns it off): on an H200 it took the 8B shape's batch-1 graph from 4.10 to
+# 3.93-3.98 ms and the 1B one's from 0.879 to 0.804-0.814 (graph_ab.py --what pdl, 2026-11-23).
+# Never under Triton's interpreter, which cannot run the griddepcontrol instructions, and not
+# with a Triton too old to emit them.
+PDL = _GDC
 
 
 @functools.cache
@@ -83,7 +82,7 @@ def pipeline_stages(batch: int) -> int:
 @triton.jit(do_not_specialize=["window", "stride_tb", "stride_ob", "stride_lb", "stride_fb"])
 def _paged_decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, counters_ptr, out_ptr,
-    sinks_ptr, scale, window, softcap,
+    sinks_ptr, kv_scales_ptr, scale, window, softcap,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_tb,
@@ -93,7 +92,7 @@ def _paged_decode_partial(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,6 +114,8 @@ def _paged_decode_partial(
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
     query_pos = ctx_len - 1
+    if FP8:  # keys and values stored divided by a per-head scale: k's joins the score scale
+        scale = scale * tl.load(kv_scales_ptr + kv_head)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -127,6 +128,8 @@ def _paged_decode_partial(
         offsets = pages * stride_kp + (tokens % PAGE_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         if HAS_SOFTCAP:  # softcap * tanh(scores / softcap), tanh(x) = 2 / (1 + e^-2x) - 1
             scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0)
@@ -136,6 +139,8 @@ def _paged_decode_partial(
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         v = tl.load(v_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv.to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -144,6 +149,8 @@ def _paged_decode_partial(
         gdc_launch_dependents()
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if FP8:  # v's scale, once per split (the merge is linear in the splits' outputs)
+        out = out * tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
     out_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
     tl.store(out_ptrs + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
@@ -249,12 +256,14 @@ def paged_decode_attention(
     *,
     sinks: torch.Tensor | None = None,  # [H]: gpt-oss's per-head logit joining each softmax
     softcap: float | None = None,  # Gemma 2: scores -> softcap * tanh(scores / softcap)
+    kv_scales: torch.Tensor | None = None,  # [2, Hkv] float32: an fp8 cache's per-head scales
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns [B, H, d].
     The context is split for parallelism; the splits merge in a second kernel, or, for larger
     batches, in the same launch (the last split of each (sequence, KV head) to finish merges
-    them); a sink joins the merge. `tuning` overrides the launch (partition, block_n,
-    num_warps, num_stages, fused_reduce): benchmarks only."""
+    them); a sink joins the merge. An fp8 cache (`kv_scales`) is loaded as stored and scaled
+    in the kernel. `tuning` overrides the launch (partition, block_n, num_warps, num_stages,
+    fused_reduce): benchmarks only."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert ctx_lens.stride(0) == 1 and q.stride(2) == 1 and k_cache.stride(3) == 1
@@ -271,9 +280,10 @@ def paged_decode_attention(
     counters = _split_counters(q.device) if fused else part_lse  # unread when not fused
     dim_pad = triton.next_power_of_2(head_dim)
     sinks_arg = sinks if sinks is not None else part_lse  # unread without sinks
+    scales_arg = kv_scales if kv_scales is not None else part_lse  # unread without fp8
     _paged_decode_partial[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, part_out, part_lse, counters, out,
-        sinks_arg, scale, window or 0, softcap or 1.0,
+        sinks_arg, scales_arg, scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -285,7 +295,7 @@ def paged_decode_attention(
         BLOCK_N=tuning.get("block_n") or min(64 if dim_pad <= 128 else 32, partition),
         PART=partition, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSED_REDUCE=fused,
-        HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, FP8=kv_scales is not None,
         num_warps=tuning.get("num_warps", 4), **_pdl(q),
         num_stages=tuning.get("num_stages") or pipeline_stages(batch),
     )

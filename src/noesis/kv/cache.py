@@ -1,11 +1,13 @@
 """KV pool: one [2, pages, page_size, kv_heads, head_dim] tensor per attention layer, allocated
-once; short-convolution layers (LFM2) hold their fixed-size state there instead (kv/conv_state)."""
+once (e4m3 with per-head scales for an fp8 cache, kv/fp8); short-convolution layers (LFM2) hold
+their fixed-size state there instead (kv/conv_state)."""
 
 from __future__ import annotations
 
 import torch
 
 from noesis.kv.conv_state import ConvStatePool
+from noesis.kv.fp8 import FP8, FP8LayerCache
 from noesis.models.config import ModelConfig
 
 
@@ -48,6 +50,7 @@ class KVPool:
         self.layers = [
             next(conv_states)
             if i in conv_layers
+            else FP8LayerCache.empty(shape, device) if dtype == FP8  # scales: noesis.kv.fp8
             else torch.zeros(shape, dtype=dtype, device=device)
             for i in range(config.num_layers)
         ]
@@ -56,4 +59,5 @@ class KVPool:
     def nbytes(self) -> int:
         tensors = [t for t in self.layers if isinstance(t, torch.Tensor)]
         conv = self.conv.nbytes if self.conv is not None else 0
-        return sum(t.numel() * t.element_size() for t in tensors) + conv
+        fp8 = sum(t.nbytes for t in self.layers if isinstance(t, FP8LayerCache))
+        return sum(t.numel() * t.element_size() for t in tensors) + conv + fp8

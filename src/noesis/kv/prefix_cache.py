@@ -65,6 +65,8 @@ class PrefixCache:
     def record_admission(self, seq: Sequence) -> None:
         self.query_tokens += len(seq.token_ids)
         self.hit_tokens += seq.num_computed
+        if not seq.num_preemptions:  # a re-admission finds the pages it cached itself
+            seq.num_cached_tokens = seq.num_computed
 
     def commit(self, seq: Sequence) -> None:
         """Cache the pages `seq` has filled and computed since the last call."""

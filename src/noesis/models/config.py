@@ -35,6 +35,22 @@ CAPABILITIES = {
     "Gemma3ForConditionalGeneration": {"vision": ("vision_tower.", "multi_modal_projector.")},
 }
 TEXT_PREFIX = {"Gemma3ForConditionalGeneration": "language_model."}
+# config.json's model_type -> the architecture transformers' AutoModelForCausalLM picks for it,
+# for checkpoints whose config.json names no `architectures`.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+}
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 # Families whose layers alternate sliding-window and full attention (config.json's layer_types).
@@ -256,6 +272,9 @@ def _architecture(cfg: dict[str, Any]) -> str:
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
+    model_type = cfg.get("model_type")
+    if not archs and isinstance(model_type, str) and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
     named = ", ".join(archs) if archs else f"model_type={cfg.get('model_type')!r}"
     raise UnsupportedModel(
         f"unsupported architecture {named}; supported: {', '.join(sorted(ARCHITECTURES))}"

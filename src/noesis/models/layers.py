@@ -7,6 +7,7 @@ from torch import nn
 
 from noesis.kernels import ops
 from noesis.models.config import ModelConfig
+from noesis.quant.linear import projection
 
 
 class RMSNorm(nn.Module):
@@ -37,10 +38,10 @@ class Attention(nn.Module):
         self.sliding_window = config.window(layer_index)
         self.softcap = config.attn_softcap
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        self.qkv_proj = projection(
+            config, config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, parts=3
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = projection(config, self.q_size, config.hidden_size, config.o_bias)
         if config.qk_norm:
             norm = norm or RMSNorm
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
@@ -92,11 +93,11 @@ class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        self.gate_up_proj = projection(
+            config, config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, parts=2
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        self.down_proj = projection(
+            config, config.intermediate_size, config.hidden_size, config.mlp_bias
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

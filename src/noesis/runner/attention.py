@@ -59,8 +59,8 @@ class TorchPagedAttention:
             if span.ctx_len == span.q_len:
                 keys, values = k[rows], v[rows]
             else:
-                keys, values = _gather(kv_cache, span.pages[None], span.ctx_len)
-                keys, values = keys[0], values[0]
+                keys, values = self.read(kv_cache, _page_slots(span.pages, meta.page_size,
+                                                               span.ctx_len))
             first = span.ctx_len - span.q_len
             mask = _mask(first, span.q_len, span.ctx_len, sliding_window, q.device)
             out[rows] = attend(q[rows][None], keys[None], values[None], mask, scale)[0]
@@ -78,8 +78,7 @@ class TorchPagedAttention:
             offsets = torch.arange(meta.page_size, device=q.device)
             pages = meta.decode_pages[:, :, None] * meta.page_size
             meta.decode_slots = (pages + offsets).flatten(1)[:, :length]
-        slots = meta.decode_slots
-        keys, values = kv_cache.view(2, -1, *kv_cache.shape[-2:])[:, slots]  # [Bd, L, Hkv, d]
+        keys, values = self.read(kv_cache, meta.decode_slots)  # [Bd, L, Hkv, d]
         extras = sinks is not None or softcap is not None
         if q.shape[0] == 1 and window is None and not extras and not meta.ctx_bound:
             # every key visible: no mask
@@ -93,6 +92,11 @@ class TorchPagedAttention:
             return _attention_math(q[:, None], keys, values, mask[:, None, None, :], scale,
                                    sinks=sinks, softcap=softcap)[:, 0]
         return _sdpa(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]
+
+    def read(self, kv_cache, slots: torch.Tensor):
+        """Keys and values [*slots.shape, Hkv, d] at cache slots (page * page_size + offset);
+        the one place cached keys are read back (an fp8 cache dequantizes here, noesis.kv.fp8)."""
+        return kv_cache.view(2, -1, *kv_cache.shape[-2:])[:, slots]
 
 
 class TritonPagedAttention(TorchPagedAttention):
@@ -122,12 +126,10 @@ class TritonPagedAttention(TorchPagedAttention):
         )
 
 
-def _gather(kv_cache: torch.Tensor, pages: torch.Tensor, length: int):
-    """Keys and values [B, length, Hkv, d] laid out contiguously from page tables [B, P]."""
-    batch = pages.shape[0]
-    keys = kv_cache[0][pages].reshape(batch, -1, *kv_cache.shape[-2:])[:, :length]
-    values = kv_cache[1][pages].reshape(batch, -1, *kv_cache.shape[-2:])[:, :length]
-    return keys, values
+def _page_slots(pages: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
+    """The first `length` cache slots [length] of a page table [P]."""
+    offsets = torch.arange(page_size, device=pages.device)
+    return (pages[:, None] * page_size + offsets).flatten()[:length]
 
 
 def _mask(first_pos: int, q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor:

@@ -39,5 +39,7 @@ class ForwardInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn: AttentionMetadata
-    sample_rows: torch.Tensor  # [B] row of the last token of each sampling sequence
+    # [B + P] rows whose logits the step needs: the last token of each sampling sequence (all
+    # of a verify row's), then the rows scoring prompt tokens (ScheduledSeq.num_scored)
+    sample_rows: torch.Tensor
     rope_lengths: list[tuple[int, int, int]]  # (num_tokens, end, prompt_len) per sequence

@@ -21,11 +21,20 @@ from noesis.kernels import ops
 from noesis.kv.cache import KVPool
 from noesis.models.decoder import DecoderLM
 from noesis.models.rope import RotaryEmbedding
+from noesis.runner import batch_invariant
 from noesis.runner.attention import TorchPagedAttention, TritonPagedAttention
 from noesis.runner.cuda_graph import CudaGraphRunner
 from noesis.runner.inputs import AttentionMetadata, ForwardInputs, PrefillSpan
 from noesis.sampling.metrics import NUM_METRICS, TokenMetrics
-from noesis.sampling.sampler import Penalties, SamplerOutput, SamplingTensors, sample
+from noesis.sampling.params import SamplingParams
+from noesis.sampling.sampler import (
+    LogitBias,
+    Penalties,
+    SamplerOutput,
+    SamplingTensors,
+    logprobs_of,
+    sample,
+)
 from noesis.structured.bitmask import MaskFiller, apply_token_bitmask_
 
 if TYPE_CHECKING:
@@ -67,6 +76,13 @@ class LaunchedStep:
     device_ms: float | None = 0.0  # None: not measured (see ModelRunner._peek_timing)
     wait_ms: float = 0.0
     signals: Any = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): the scored rows' [P, 1 + 2k] (the next
+    # prompt token's logprob, top-k ids, top-k logprobs) copied with the step, and per scored
+    # sequence (seq, index of its first scored prompt token, rows). fetch turns them into
+    # `prompt_logprobs`: (seq, first index, one dict per scored prompt token) per sequence.
+    prompt_host: torch.Tensor | None = None
+    prompt_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, int, list[dict[int, float]]]] | None = None
 
 
 class ModelRunner:
@@ -98,6 +114,9 @@ class ModelRunner:
         self.timing = False
         self.signal_hooks: list = []
         self.last_graph = False  # how the latest forward ran
+        # Batch-invariant mode without its kernels (noesis.runner.batch_invariant): forward and
+        # sample one token at a time.
+        self.row_by_row = False
 
     def capture_graphs(self, max_batch: int, capture: bool = True) -> float:
         """Capture decode graphs of up to `max_batch` rows (CUDA); returns the seconds it took.
@@ -131,6 +150,10 @@ class ModelRunner:
             logits = self._forward(plan, previous)
         finally:  # collected even when the forward fails, so the next step can start a fill
             bitmask = self.masks.result(self.device) if constrained else None
+        scored = [item for item in plan.scheduled if item.num_scored]
+        if scored:  # their rows come last: [R + P, V] -> [R, V], [P, V]
+            count = sum(item.num_scored for item in scored)
+            logits, scored_logits = logits[:-count], logits[-count:]
         target = None
         if verifying:
             logits, target = self._split_logits(logits, sampling)  # [Bp, V], [Bv, K + 1, V]
@@ -139,17 +162,45 @@ class ModelRunner:
         seqs = plain + [item.seq for item in verifying]
         launched = LaunchedStep(plan, seqs, {s.seq_id: i for i, s in enumerate(seqs)},
                                 None, None, None, 0, graph=self.last_graph, started=started)
+        if scored:  # copied first: the step's ready event, recorded after, covers it
+            self._score_prompts(launched, scored, scored_logits)
         if self.signal_hooks and plain:
             launched.signals = self._signals(logits, plain)
-        out = sample(logits, self.sampling_tensors(plain)) if plain else None
+        out = self._sample(logits, plain) if plain else None
         if verifying:
             verified = self._verify(target, verifying, plan.proposals)
             self._copy_out_verified(launched, out, verified)
         elif out is not None:
             self._copy_out(launched, out)
+        if scored and launched.ready is None and self.device.type == "cuda":
+            launched.ready = torch.cuda.Event(enable_timing=self.timing)
+            launched.ready.record()
         if started is not None:
             self._end_timing(launched, started)
         return launched
+
+    def _score_prompts(self, launched: LaunchedStep, scored: list[ScheduledSeq],
+                       logits: torch.Tensor) -> None:
+        """Start the copy of the scored rows' prompt logprobs: each row's logits [P, V] score
+        the prompt token after it, under the model's raw distribution (as logprobs are)."""
+        targets, spans = [], []
+        for item in scored:
+            first = item.seq.num_computed + 1  # the prompt token the first row scores
+            targets += item.seq.token_ids[first : first + item.num_scored]
+            spans.append((item.seq, first, item.num_scored))
+        k = max(item.seq.params.prompt_logprobs for item in scored)
+        chosen, top_ids, top_logprobs = logprobs_of(logits.float(), self._tensor(targets), k)
+        payload = torch.cat([chosen[:, None].double(), top_ids.double(), top_logprobs.double()],
+                            dim=1)  # [P, 1 + 2k]
+        cuda = self.device.type == "cuda"
+        launched.prompt_host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=cuda)
+        launched.prompt_host.copy_(payload, non_blocking=cuda)
+        launched.prompt_spans = spans
+
+    def _sample(self, logits: torch.Tensor, plain: list[Sequence]) -> SamplerOutput:
+        if self.row_by_row:
+            return batch_invariant.sample_rows(self, logits, plain)
+        return sample(logits, self.sampling_tensors(plain))
 
     def _end_timing(self, launched: LaunchedStep, started) -> None:
         if self.device.type != "cuda":  # the host ran the step
@@ -206,8 +257,9 @@ class ModelRunner:
             launched.ready.record()
 
     def fetch(self, launched: LaunchedStep) -> dict[int, SampledToken]:
-        """Wait for a launched step's sampled tokens: seq_id -> token for sequences that sample."""
-        if launched.host is None:
+        """Wait for a launched step's sampled tokens: seq_id -> token for sequences that sample.
+        Prompt logprobs the step scored land in `launched.prompt_logprobs`."""
+        if launched.host is None and launched.prompt_host is None:
             if self.timing and launched.ready is not None:
                 self._peek_timing(launched)
             return {}
@@ -215,6 +267,10 @@ class ModelRunner:
             self._fetch_timing(launched)
         elif launched.ready is not None:
             launched.ready.synchronize()
+        if launched.prompt_host is not None:
+            launched.prompt_logprobs = _prompt_entries(launched)
+        if launched.host is None:
+            return {}
         if launched.signals is not None:  # per row, None for the verify rows (after the plain)
             rows = len(launched.seqs)
             launched.signals = {name: (value.tolist() + [None] * rows)[:rows]
@@ -236,7 +292,7 @@ class ModelRunner:
                 logprobs = {int(i): lp for i, lp in top}
                 logprobs[token] = row[first]
             metrics = None
-            if launched.metrics and seq.params.metrics:
+            if launched.metrics and (seq.params.metrics or seq.knobs is not None):
                 metrics = TokenMetrics.from_row(row[-NUM_METRICS:])
             if width:
                 accepted = [int(t) for t in row[2 : 2 + width] if t >= 0]
@@ -343,8 +399,15 @@ class ModelRunner:
 
     def forward_eager(self, plan: StepPlan, previous: LaunchedStep | None = None):
         """Logits [R, V] of the sampling sequences' rows (None when none samples): one per
-        sequence, 1 + num_draft per verify row."""
-        inputs = self.prepare(plan, previous)
+        sequence, 1 + num_draft per verify row; then the scored rows (ScheduledSeq.num_scored),
+        in plan order."""
+        if self.row_by_row:
+            return batch_invariant.forward_rows(self, plan, previous)
+        return self.forward_inputs(self.prepare(plan, previous))
+
+    def forward_inputs(self, inputs: ForwardInputs) -> torch.Tensor | None:
+        """forward_eager's forward from prepared inputs (tensor-parallel ranks run it on the
+        inputs rank 0 prepared)."""
         cos, sin = self.rope.cos_sin(inputs.positions, inputs.rope_lengths)
         hidden, residual = self.model(
             inputs.input_ids, cos, sin, self.kv.layers, inputs.attn, self.attention
@@ -368,9 +431,11 @@ class ModelRunner:
         decode_rows: list[int] = []
         page_size = self.kv.page_size
         proposals = plan.proposals
+        scored_rows: list[int] = []  # prompt logprobs: after the sampled rows
         for index, item in enumerate(plan.scheduled):
             seq, start, count = item.seq, item.seq.num_computed, item.num_tokens
             row = len(token_ids)
+            scored_rows.extend(range(row, row + item.num_scored))
             token_ids.extend(seq.token_ids[start : start + count - item.num_draft])
             if sources is not None and sources[index] >= 0:  # filled in on the device below
                 token_ids.append(0)
@@ -406,7 +471,7 @@ class ModelRunner:
             input_ids=input_ids,
             positions=self._tensor(positions),
             attn=attn,
-            sample_rows=self._tensor(sample_rows),
+            sample_rows=self._tensor(sample_rows + scored_rows),
             rope_lengths=rope_lengths,
         )
 
@@ -430,12 +495,14 @@ class ModelRunner:
         params = [seq.params for seq in seqs]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         max_logprobs = max(logprobs) if logprobs else None
-        metrics = any(p.metrics for p in params)
+        metrics = any(p.metrics for p in params) or any(s.knobs is not None for s in seqs)
         if all(p.greedy and not p.needs_penalties for p in params):
-            return SamplingTensors.greedy(max_logprobs, metrics)
+            tensors = SamplingTensors.greedy(max_logprobs, metrics)
+            tensors.logit_bias = self._logit_bias(params)
+            return tensors
         filtering = any(p.needs_filtering for p in params)
         # Two host -> device copies per step (one per dtype), not one per knob.
-        floats = self._tensor([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
+        floats = self._tensor([[*_knobs(seq), seq.params.min_p] for seq in seqs], torch.float32)
         ints = self._tensor([[seq.params.top_k, seq.seed, seq.num_output] for seq in seqs])
         return SamplingTensors(
             temperature=floats[:, 0],
@@ -448,7 +515,19 @@ class ModelRunner:
             penalties=self._penalties(seqs) if any(p.needs_penalties for p in params) else None,
             max_logprobs=max_logprobs,
             metrics=metrics,
+            logit_bias=self._logit_bias(params),
         )
+
+    def _logit_bias(self, params: list[SamplingParams]) -> LogitBias | None:
+        """The rows' logit_bias entries in one host -> device copy per dtype; None when no row
+        has any (the common case costs nothing)."""
+        entries = [(row, token, value) for row, p in enumerate(params)
+                   for token, value in p.logit_bias or ()]  # fmt: skip
+        if not entries:
+            return None
+        where = self._tensor([[row, token] for row, token, _ in entries])  # [N, 2]
+        values = self._tensor([value for _, _, value in entries], torch.float32)
+        return LogitBias(where[:, 0], where[:, 1], values)
 
     def _penalties(self, seqs: list[Sequence]) -> Penalties:
         batch, vocab = len(seqs), self.vocab_size
@@ -500,6 +579,34 @@ def pending_sources(plan: StepPlan, previous: LaunchedStep | None) -> list[int] 
         sources.append(previous.row_of[seq.seq_id])
         pending = True
     return sources if pending else None
+
+
+def _prompt_entries(launched: LaunchedStep) -> list[tuple[Sequence, int, list[dict[int, float]]]]:
+    """The fetched prompt-logprob rows -> per scored sequence (seq, first scored index, one dict
+    per prompt token: its top-k, and the prompt token itself)."""
+    rows = launched.prompt_host.tolist()
+    k = (launched.prompt_host.shape[1] - 1) // 2
+    scored, row = [], 0
+    for seq, first, count in launched.prompt_spans:
+        n = seq.params.prompt_logprobs
+        entries = []
+        for token, values in zip(seq.token_ids[first : first + count], rows[row : row + count],
+                                 strict=True):
+            entry = {int(t): lp for t, lp in zip(values[1 : 1 + n], values[1 + k : 1 + k + n],
+                                                 strict=True)}
+            entry[token] = values[0]
+            entries.append(entry)
+        scored.append((seq, first, entries))
+        row += count
+    return scored
+
+
+def _knobs(seq: Sequence) -> tuple[float, float]:
+    """A row's temperature and top_p: the control plane's for this token, else the request's."""
+    knobs = seq.knobs
+    if knobs is None:
+        return seq.params.temperature, seq.params.top_p
+    return knobs.temperature, knobs.top_p
 
 
 def _pad_rows(x: torch.Tensor, count: int) -> torch.Tensor:

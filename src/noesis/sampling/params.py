@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from noesis.errors import InvalidSamplingParams
 from noesis.structured.matcher import GrammarSpec
@@ -12,6 +13,7 @@ MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1  # seeds, budgets and ids travel to the engine in int64 tensors
 MAX_TOP_K = 2**31 - 1  # a 32-bit count, whatever the vocabulary
 TOP_K_HINT = "a top_k at or above the vocabulary size keeps every token, as 0 (off) does"
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,10 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 (or -1) disables top-k. `logprobs=k` returns, per generated
     token, the top-k log-probabilities of the model's distribution plus the sampled token's.
+    `prompt_logprobs=k` does the same for each prompt token (after the first) under the model's
+    raw distribution at the position before it; such a request bypasses the prefix cache.
+    `logit_bias={token_id: bias}` adds each bias (in [-100, 100]) to that token's logit before
+    sampling; it is stored as sorted (token_id, bias) pairs, so the object stays hashable.
     """
 
     temperature: float = 1.0
@@ -35,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # A constraint enforced while sampling (noesis.structured.GrammarSpec): JSON schema, regex,
@@ -43,6 +50,12 @@ class SamplingParams:
     # Per-token entropy, varentropy, top-k mass and top-1/top-2 margin in RequestOutput.metrics
     # (and for the control plane). Off: nothing is computed.
     metrics: bool = False
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    # Per-token control (noesis.control.knobs): True lets the engine's control policy
+    # (LLM(control=...)) move temperature and top_p token by token, within the request's own;
+    # False opts this request out. A conversation's control (noesis.control.turns.TurnControl,
+    # which a Session's policy sets) steers with that conversation's belief and Φ instead.
+    control: Any = True
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string; store tuples so the object stays hashable.
@@ -56,6 +69,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -79,8 +93,15 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0, hi=INT64_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if not isinstance(self.metrics, bool):
             raise InvalidSamplingParams("metrics", f"must be a bool, got {_shown(self.metrics)}")
+        steers = callable(getattr(self.control, "knobs", None))  # a conversation's control
+        if not isinstance(self.control, bool) and not steers:
+            raise InvalidSamplingParams(
+                "control", f"must be true or false, got {_shown(self.control)}"
+            )
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidSamplingParams(
                 "grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}"
@@ -101,6 +122,27 @@ class SamplingParams:
     @property
     def needs_filtering(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...] | None:
+    """logit_bias as a dict (or pairs) -> sorted (token_id, bias) pairs, each checked; None
+    when empty. Ids are checked against the vocabulary when the engine takes the request."""
+    if bias is None:
+        return None
+    if isinstance(bias, dict):
+        bias = bias.items()
+    try:
+        pairs = sorted((token, value) for token, value in bias)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise InvalidSamplingParams(
+            "logit_bias", f"must map token ids to biases, got {_shown(bias)}"
+        ) from None
+    for token, value in pairs:
+        _check_int("logit_bias", token, lo=0, hi=INT64_MAX)
+        _check_number("logit_bias", value, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise InvalidSamplingParams("logit_bias", "names a token id more than once")
+    return tuple((token, float(value)) for token, value in pairs) or None
 
 
 def _check_int(

@@ -1,4 +1,4 @@
-"""On-device sampling: penalties, temperature, top-k/top-p/min-p, seeded exponential race, logprobs.
+"""On-device sampling: penalties, logit bias, temperature, top-k/p, min-p, seeded race, logprobs.
 
 Everything is batched tensor work with no host sync; the runner copies the result back once.
 Logprobs are those of the model's own distribution (log-softmax of the raw logits); metrics
@@ -30,6 +30,7 @@ class SamplingTensors:
     penalties: Penalties | None = None
     max_logprobs: int | None = None  # largest k any row asked for
     metrics: bool = False  # some row asked for per-token metrics
+    logit_bias: LogitBias | None = None  # some row asked for logit_bias
 
     @classmethod
     def greedy(cls, max_logprobs: int | None = None, metrics: bool = False) -> SamplingTensors:
@@ -45,6 +46,16 @@ class Penalties:
     frequency: torch.Tensor  # [B] float
     output_counts: torch.Tensor  # [B, V] float: occurrences among generated tokens
     seen_mask: torch.Tensor  # [B, V] bool: occurs in prompt or output
+
+
+@dataclass(slots=True)
+class LogitBias:
+    """Every row's logit_bias entries, flattened: entry i adds values[i] to logit
+    [rows[i], token_ids[i]]."""
+
+    rows: torch.Tensor  # [N] long
+    token_ids: torch.Tensor  # [N] long
+    values: torch.Tensor  # [N] float
 
 
 @dataclass(slots=True)
@@ -69,6 +80,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     raw = logits
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
+    if t.logit_bias is not None:
+        logits = apply_logit_bias(logits, t.logit_bias)
     if t.all_greedy:
         token_ids, reported = _argmax_reported(logits)
     else:
@@ -76,14 +89,20 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     metrics = token_metrics(logits) if t.metrics else None
     if t.max_logprobs is None:
         return SamplerOutput(token_ids, None, None, None, reported, metrics)
+    token_logprobs, top_ids, top_logprobs = logprobs_of(raw, token_ids, t.max_logprobs)
+    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs, reported, metrics)
+
+
+def logprobs_of(raw: torch.Tensor, token_ids: torch.Tensor, k: int):
+    """Under the model's own distribution (log-softmax of raw logits [N, V]): the logprobs of
+    `token_ids` [N], and the top-k ids and logprobs [N, k] (k may be 0). Prompt logprobs are
+    these too, with the prompt's next tokens as `token_ids`."""
     logprobs = torch.log_softmax(raw, dim=-1)
     token_logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
     top_logprobs, top_ids = (
-        logprobs.topk(t.max_logprobs, dim=-1)
-        if t.max_logprobs
-        else (logprobs[:, :0], token_ids[:, None][:, :0])
+        logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], token_ids[:, None][:, :0])
     )
-    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs, reported, metrics)
+    return token_logprobs, top_ids, top_logprobs
 
 
 def _reported_ids(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
@@ -112,6 +131,12 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     logits = torch.where(p.seen_mask, penalized, logits)
     logits = logits - p.frequency[:, None] * p.output_counts
     return logits - p.presence[:, None] * (p.output_counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    """logits plus each row's biases, out of place. A token a grammar masked (-inf) stays
+    masked, since -inf plus a finite bias is -inf; logprobs are still the raw model's."""
+    return logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
 
 
 def _sample_random(logits: torch.Tensor, t: SamplingTensors):

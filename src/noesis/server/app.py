@@ -34,10 +34,12 @@ from noesis.engine.async_engine import (
     warm_up,
 )
 from noesis.engine.engine import Engine
+from noesis.engine.outputs import RequestOutput
 from noesis.errors import PromptTooLong
 from noesis.sampling.params import SamplingParams
 from noesis.server.bodies import INLINE_BYTES, BodyParser
 from noesis.server.config import RequestLimits, ServeConfig
+from noesis.server.embeddings import Embeddings, load_encoders
 from noesis.server.errors import APIError, install_handlers
 from noesis.server.generation import Generation
 from noesis.server.metrics import CONTENT_TYPE, Metrics
@@ -45,6 +47,7 @@ from noesis.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     template_messages,
 )
@@ -58,11 +61,15 @@ from noesis.server.responses import (
     full_response,
     sse_stream,
 )
+from noesis.server.responses_api import ResponseReply, ResponsesRequest
+from noesis.server.stats_log import StatsLog
 from noesis.turns import response_format_spec
 
 log = logging.getLogger("noesis.server")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-          "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+          "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+# A "deterministic" request's engine request ids, one per choice, as its trace records them
+TRACE_IDS_HEADER = "X-Noesis-Request-Ids"
 
 
 class ServerState:
@@ -87,6 +94,10 @@ class ServerState:
         self.draining = False
         self.bodies = BodyParser()
         self.limits = _request_limits(config.limits, info)
+        # What a request leaves unset samples with: the checkpoint's generation_config.json
+        self.sampling_defaults = SamplingParams(**info.sampling_defaults)
+        self.embeddings = Embeddings(self.model_name, self.engine, info.tokenizer,
+                                     info.max_model_len, load_encoders(config))
 
     def begin_drain(self) -> None:
         """Refuse new work now; end what still runs once the shutdown deadline has passed."""
@@ -157,12 +168,32 @@ class ServerState:
             )
         return requested
 
+    def check_deterministic(self, deterministic: bool) -> None:
+        """A deterministic request is one this server can replay: refused unless every step is
+        recorded (serve --trace PATH, which the request's trace lines go to)."""
+        if deterministic and self.config.engine.trace is None:
+            raise APIError(
+                400,
+                "deterministic: this server records no trace to replay the request from; "
+                "start it with --trace PATH (noesis serve --deterministic --trace PATH)",
+                "deterministic",
+                "unsupported_parameter",
+            )
+
     # ---- generation --------------------------------------------------------------------------
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tools = body.tools if self.tool_calls and body.effective_tool_choice != "none" else None
         # Only the template writes control tokens (and BOS): a message's spellings stay text.
-        return self.tokenizer.encode_chat(self._messages(body), tools, **body.template_kwargs())
+        kwargs = body.template_kwargs(self.template_reads)
+        return self.tokenizer.encode_chat(self._messages(body), tools, **kwargs)
+
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable `name` (Harmony's renderer reads only
+        reasoning_effort); a template that never names it would ignore it."""
+        if self.tokenizer.harmony is not None:
+            return name == "reasoning_effort"
+        return name in (self.tokenizer.chat_template or "")
 
     def chat_turn(self, body: ChatCompletionRequest, prompt: list[int]):
         """How the reply to `prompt` is constrained and read: the turn's SamplingParams
@@ -174,6 +205,10 @@ class ServerState:
             if tools or choice not in ("none", "auto"):  # a forced call cannot be enforced either
                 param = "tools" if tools else "tool_choice"
                 raise APIError(400, NO_TOOL_SYNTAX, param, "unsupported_parameter")
+            if body.thinking_budget is not None:
+                raise APIError(400, "thinking_budget needs a model with a reasoning format "
+                               "(Harmony or a dialect: noesis serve --tool-dialect)",
+                               "thinking_budget", "unsupported_parameter")
             spec = response_format_spec(body.response_format)
             return (lambda params: dataclasses.replace(params, grammar=spec)), ChatFormat
         options = TurnOptions(
@@ -202,6 +237,30 @@ class ServerState:
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
 
+    async def start(
+        self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], adjust=None
+    ) -> Generation:
+        """Queue every choice of every prompt (SamplingParams from the body over the server's
+        defaults, then `adjust`ed for the turn): the Generation that reads them."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        self.check_deterministic(body.deterministic)
+        # best_of > n ranks its generations by their tokens' logprobs: ask for those
+        ranked = body.choices > body.n
+        logprobs = body.logprobs_k if body.logprobs_k is not None or not ranked else 0
+        params = [
+            body.sampling_params(
+                self.max_tokens(body.requested_max_tokens, len(p)), logprobs,
+                self.sampling_defaults,
+            )
+            for p in prompts
+        ]
+        if adjust is not None:
+            params = [[adjust(choice) for choice in choices] for choices in params]
+        generation = Generation(self.engine, self.metrics, keep_outputs=not body.stream)
+        await generation.start(prompts, params)
+        return generation
+
     async def generate(
         self,
         request: Request,
@@ -211,18 +270,8 @@ class ServerState:
         echo: list[str] | None = None,
         adjust=None,
     ) -> Response:
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        params = [
-            body.sampling_params(
-                self.max_tokens(body.requested_max_tokens, len(p)), body.logprobs_k
-            )
-            for p in prompts
-        ]
-        if adjust is not None:
-            params = [[adjust(choice) for choice in choices] for choices in params]
-        generation = Generation(self.engine, self.metrics, keep_outputs=not body.stream)
-        await generation.start(prompts, params)
+        generation = await self.start(body, prompts, adjust)
+        ranked = body.choices > body.n
         n = body.n
         reply = Reply(
             model=self.model_name,
@@ -234,11 +283,32 @@ class ServerState:
         if body.stream:
             events = sse_stream(fmt, reply, generation, n, body.include_usage)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            if body.deterministic:
+                headers[TRACE_IDS_HEADER] = ",".join(s.request_id for s in generation.streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         outputs = await _unless_disconnected(request, generation.results())
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
-        return JSONResponse(full_response(fmt, reply, outputs, n))
+        if ranked:
+            outputs = best_of(outputs, body.choices, n)
+        response = full_response(fmt, reply, outputs, n, generation)
+        if not body.deterministic:
+            return JSONResponse(response)
+        ids = [out.request_id for out in outputs]
+        response["noesis"] = {"request_ids": ids}
+        return JSONResponse(response, headers={TRACE_IDS_HEADER: ",".join(ids)})
+
+
+def best_of(outputs: list[RequestOutput], choices: int, n: int) -> list[RequestOutput]:
+    """Of each prompt's `choices` generations (consecutive in `outputs`), the n with the
+    highest cumulative logprob, best first."""
+    kept = []
+    for start in range(0, len(outputs), choices):
+        group = outputs[start : start + choices]
+        group.sort(key=lambda out: -sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs,
+                                                               strict=True)))
+        kept += group[:n]
+    return kept
 
 
 async def _unless_disconnected(request: Request, work):
@@ -336,7 +406,7 @@ async def completions(request: Request) -> Response:
     body, size = await _body(request, CompletionRequest, state)
     state.check_model(body.model)
     body.refuse_unsupported()
-    state.check_n(body.n, len(body.prompts()))
+    state.check_n(body.choices, len(body.prompts()))  # best_of generations run, not only n
     has_text = any(isinstance(p, str) for p in body.prompts())
     prompts = await _off_loop_if_long(size if has_text else 0, state.completion_prompts, body)
     echo = None
@@ -345,9 +415,47 @@ async def completions(request: Request) -> Response:
     return await state.generate(request, body, prompts, CompletionFormat, echo)
 
 
+@v1.post("/responses")
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API: the body becomes a chat request and runs as the chat route's
+    does (template, turn format, grammar); its reply becomes output items (responses_api.py)."""
+    state = _state(request)
+    body, size = await _body(request, ResponsesRequest, state)
+    state.check_model(body.model)
+    chat = body.chat_request()  # a 400 naming what it cannot honour
+    prompt = await _off_loop_if_long(size, state.chat_prompt, chat)
+    adjust, fmt = state.chat_turn(chat, prompt)
+    generation = await state.start(chat, [prompt], adjust)
+    defaults = state.sampling_defaults
+    reply = Reply(model=state.model_name, token_text=state.token_text, logprobs_k=None,
+                  prompt_lens=[len(prompt)])
+    answer = ResponseReply(body, fmt, reply, generation,
+                           defaults.temperature if chat.temperature is None else chat.temperature,
+                           defaults.top_p if chat.top_p is None else chat.top_p)
+    if body.stream:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(answer.events(), media_type="text/event-stream", headers=headers)
+    outputs = await _unless_disconnected(request, generation.results())
+    if outputs is None:
+        return Response(status_code=499)  # nobody is listening
+    return JSONResponse(answer.whole(outputs[0]))
+
+
+@v1.post("/embeddings")
+async def embeddings(request: Request) -> JSONResponse:
+    state = _state(request)
+    body, _ = await _body(request, EmbeddingRequest, state)
+    if body.model not in state.embeddings.names:
+        state.check_model(body.model)
+        body.model = state.model_name
+    return JSONResponse(await state.embeddings.respond(body))
+
+
 @v1.get("/models")
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_card(_state(request))]}
+    state = _state(request)
+    cards = [_model_card(state)] + [_encoder_card(state, n) for n in state.embeddings.names]
+    return {"object": "list", "data": cards}
 
 
 @v1.get("/models/{model_id:path}")
@@ -383,6 +491,10 @@ async def detokenize(request: Request) -> JSONResponse:
         message = f"tokens: ids out of the vocabulary [0, {vocab}): {bad[:10]}"
         raise APIError(400, message, "tokens", "invalid_value")
     return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+
+def _encoder_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "noesis"}
 
 
 def _model_card(state: ServerState) -> dict:
@@ -509,7 +621,12 @@ def create_app(config: ServeConfig, backend: EngineThread | EngineProcess) -> Fa
         gc.freeze()
         state.bodies.warm()
         state.engine.start()
+        stats = StatsLog(state.engine, config.stats_interval).run() \
+            if config.stats_interval else None
+        stats_task = asyncio.create_task(stats) if stats is not None else None
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         state.draining = True
         await state.engine.shutdown()
         state.bodies.close()

@@ -71,10 +71,14 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20
     limits: RequestLimits = field(default_factory=RequestLimits)
     shutdown_timeout: float = 30.0  # seconds running requests get to finish on SIGTERM
+    stats_interval: float = 10.0  # seconds between engine stats lines in the log; 0: none
     log_level: str = "info"
     engine_process: bool = True  # the engine in a child process: no GIL shared with HTTP work
     chat_template: str | None = None  # Jinja text replacing the checkpoint's (--chat-template)
     tool_dialect: str | None = None  # tool-call format by name (--tool-dialect; default: detected)
+    # Sentence-embedding checkpoints (BERT family) served on /v1/embeddings beside the decoder,
+    # each under its directory's name (--embedding-model PATH, repeatable).
+    embedding_models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_body_bytes"):
@@ -84,6 +88,7 @@ class ServeConfig:
         check_count("max_queue", self.max_queue, lo=0)
         check_count("port", self.port, lo=0, hi=65535)
         _check_seconds("shutdown_timeout", self.shutdown_timeout)
+        _check_seconds("stats_interval", self.stats_interval)
         for origin in self.cors_origins:
             if origin != "*" and not origin.startswith(("http://", "https://")):
                 raise ConfigError(

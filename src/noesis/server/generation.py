@@ -32,6 +32,8 @@ class Generation:
         self.streams: list[RequestStream] = []
         self.prompt_lens: list[int] = []  # per choice
         self.num_tokens: list[int] = []  # per choice: generated so far
+        self.num_cached: list[int] = []  # per choice: prompt tokens found in the prefix cache
+        self._firsts: list[int] = []  # each prompt's first choice
         self._deltas: list[list[RequestOutput]] | None = [] if keep_outputs else None
         self._recorded: list[bool] = []
         self._remaining = 0
@@ -48,9 +50,11 @@ class Generation:
             raise QueueFull(self.engine.num_in_flight, self.engine.max_in_flight)
         for token_ids, choice_params in zip(prompts, params, strict=True):
             first = len(self.streams)
+            self._firsts.append(first)
             self.streams += self.engine.add(token_ids, choice_params, self.outbox, first)
             self.prompt_lens += [len(token_ids)] * len(choice_params)
         self.num_tokens = [0] * total
+        self.num_cached = [0] * total
         self._recorded = [False] * total
         self._remaining = total
         if self._deltas is not None:
@@ -78,12 +82,19 @@ class Generation:
             if isinstance(item, BaseException):
                 raise item
             self.num_tokens[index] += len(item.token_ids)
+            self.num_cached[index] = item.num_cached_tokens
             if self._deltas is not None:
                 self._deltas[index].append(item)
             if item.finished:
                 self._remaining -= 1
                 self._record(index, item.finish_reason or "abort", produced=True)
         return batch  # type: ignore[return-value]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from the prefix cache, each prompt counted once (as usage counts
+        prompt tokens): its first choice's."""
+        return sum(self.num_cached[first] for first in self._firsts)
 
     async def results(self) -> list[RequestOutput]:
         """Wait for every choice to finish; their whole outputs, in choice order."""

@@ -165,6 +165,7 @@ class _EngineCollector:
             yield CounterMetricFamily(f"noesis_spec_{key}", doc,
                                       value=stats.speculative.get(key, 0))
         yield from _telemetry_histograms(stats.telemetry)
+        yield from _sidecar_metrics(stats.sidecars)
         faults = self.engine.fault_counts()
         yield CounterMetricFamily(
             "noesis_isolated_steps",
@@ -203,3 +204,30 @@ def _telemetry_histograms(snapshot: dict[str, tuple]):
             buckets.append((repr(float(bound)), running))
         buckets.append(("+Inf", count))
         yield HistogramMetricFamily(f"noesis_{name}", doc, buckets=buckets, sum_value=total)
+
+
+def _sidecar_metrics(sidecars: dict[str, dict]):
+    """Per sidecar (label `sidecar`): call latency, windows offered, dropped and failed, and
+    decisions taken (label `decision`)."""
+    latency = HistogramMetricFamily("noesis_sidecar_latency_seconds",
+                                    "Seconds per sidecar call", labels=["sidecar"])
+    counters = {key: CounterMetricFamily(f"noesis_sidecar_{key}", doc, labels=["sidecar"])
+                for key, doc in (("windows", "Text windows offered to a sidecar"),
+                                 ("drops", "Windows dropped: the sidecar's queue was full"),
+                                 ("errors", "Sidecar calls that raised"))}
+    decisions = CounterMetricFamily("noesis_sidecar_decisions",
+                                    "Sidecar decisions (block: the request ended with "
+                                    "content_filter)", labels=["sidecar", "decision"])
+    for name, stats in sidecars.items():
+        buckets, running = [], 0
+        for bound, count in zip(stats["latency_bounds"], stats["latency_counts"], strict=False):
+            running += count
+            buckets.append((repr(float(bound)), running))
+        buckets.append(("+Inf", stats["completed"]))
+        latency.add_metric([name], buckets, sum_value=stats["latency_s"])
+        for key, family in counters.items():
+            family.add_metric([name], stats[key])
+        for decision, count in stats["decisions"].items():
+            decisions.add_metric([name, decision], count)
+    if sidecars:
+        yield from (latency, *counters.values(), decisions)

@@ -10,15 +10,23 @@ landed yet are declared so that they can be refused clearly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from noesis.sampling.params import INT64_MAX, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from noesis.sampling.params import (
+    INT64_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_TOP_K,
+    SamplingParams,
+)
 from noesis.server.config import COUNT_MAX, RequestLimits
 from noesis.server.errors import APIError
 
@@ -49,21 +57,32 @@ class ChatMessage(_Model):
 class _SamplingFields(_Model):
     model: str
     n: int = Field(1, ge=1, le=COUNT_MAX)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # Unset: the checkpoint's generation_config.json, else SamplingParams' default (as for
+    # top_k and repetition_penalty).
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # No-ops, as in OpenAI, where they never change the output: an end user's id for abuse
+    # monitoring, its successor, and a hint for routing to a prefix cache (noesis's is automatic).
     user: str | None = None
-    logit_bias: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
+    service_tier: str | None = None  # one tier here: "auto" and "default" name it
     # Extensions (as in vLLM): sent through the openai client's `extra_body`.
-    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    control: bool = True  # false: the server's control plane (serve --control) leaves it alone
+    # true: the request must be replayable from the server's trace (serve --trace PATH; a 400
+    # without one); the response names its engine request ids for `noesis replay --request`.
+    deterministic: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -87,29 +106,65 @@ class _SamplingFields(_Model):
                 raise _over_limit(param, f"{len(stop)} characters", limits.max_stop_chars,
                                   "max-stop-chars", "string_above_max_length")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
-        """One SamplingParams per choice; with a seed, choice i gets seed + i (so they differ)."""
+    @property
+    def choices(self) -> int:
+        """Generations per prompt."""
+        return self.n
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: SamplingParams | None = None
+    ) -> list[SamplingParams]:
+        """One SamplingParams per generation (`choices`); with a seed, generation i gets
+        seed + i (so they differ). What the request leaves unset comes from `defaults` (the
+        server's, from the checkpoint)."""
+        defaults = defaults or SamplingParams()
+        choices = self.choices
         base = dict(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=_given(self.temperature, defaults.temperature),
+            top_p=_given(self.top_p, defaults.top_p),
+            top_k=_given(self.top_k, defaults.top_k),
             min_p=self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=_given(self.repetition_penalty, defaults.repetition_penalty),
             max_tokens=max_tokens,
             stop=self.stops(),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias=self.bias(),
+            control=self.control,
         )
-        seeds = [None] * self.n
+        seeds = [None] * choices
         if self.seed is not None:
-            seeds = [(self.seed + i) & INT64_MAX for i in range(self.n)]
+            seeds = [(self.seed + i) & INT64_MAX for i in range(choices)]
         return [SamplingParams(seed=seed, **base) for seed in seeds]
 
+    def bias(self) -> dict[int, float] | None:
+        """logit_bias with integer ids; a 400 naming the entry that is no id or no bias in
+        range (ids past the vocabulary are the engine's to refuse)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            param = f"logit_bias.{_short(key)}"
+            if not (key.isascii() and key.isdigit() and len(key) <= 18):
+                raise APIError(400, f"{param}: keys must be token ids (integers as strings)",
+                               param, "invalid_value")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise APIError(400, f"{param}: the bias must be a number, got {_shown(value)}",
+                               param, "invalid_value")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise APIError(400, f"{param}: the bias must be in [-100, 100], got {value}",
+                               param, "invalid_value")
+            bias[int(key)] = float(value)
+        return bias
+
     def refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise _not_yet("logit_bias")
+        """Every field OpenAI defines is honoured, a documented no-op, or refused here."""
+        self.bias()  # a bad entry is refused before any tokenizing
+        if self.service_tier not in (None, "auto", "default"):
+            raise APIError(400, f"service_tier {_shown(self.service_tier)}: this server has one "
+                           "tier ('auto' or 'default')", "service_tier", "unsupported_value")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -128,7 +183,10 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Any = None
     modalities: list[str] | None = None
     parallel_tool_calls: bool = True
-    reasoning_effort: str | None = None  # passed to the chat template
+    reasoning_effort: str | None = None  # passed to a chat template that reads it
+    store: bool | None = None  # nothing is stored here: only false (OpenAI's default) is taken
+    metadata: dict[str, str] | None = None  # a no-op: OpenAI keeps it with stored completions
+    verbosity: str | None = None
     # Extensions (as in vLLM), through the openai client's `extra_body`:
     chat_template_kwargs: dict[str, Any] | None = None  # enable_thinking, ... for the template
     documents: list[Any] | None = None  # retrieval documents, for templates that show them
@@ -140,13 +198,21 @@ class ChatCompletionRequest(_SamplingFields):
             if getattr(self, name):
                 raise APIError(400, f"{name} is the deprecated form: use tools and tool_choice",
                                name, "unsupported_parameter")
-        for name in ("audio", "prediction"):
-            if getattr(self, name):
-                raise _not_yet(name)
+        if self.audio:
+            raise _not_supported("audio", "noesis serves text models (modalities ['text'])")
+        if self.prediction:
+            raise _not_supported("prediction", "predicted outputs are not implemented "
+                                 "(noesis serve --speculative-method needs no prediction)")
         if self.web_search_options is not None:
-            raise _not_yet("web_search_options")
+            raise _not_supported("web_search_options", "noesis has no web search")
         if self.modalities not in (None, ["text"]):
             raise APIError(400, "modalities: only ['text'] is supported", "modalities")
+        if self.store:
+            raise APIError(400, "store: this server keeps no completions; send false or leave "
+                           "it out", "store", "unsupported_value")
+        if self.verbosity is not None:
+            raise APIError(400, "verbosity is not supported: no model served here reads it",
+                           "verbosity", "unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
@@ -185,16 +251,21 @@ class ChatCompletionRequest(_SamplingFields):
             return self.tool_choice
         return "auto" if self.tools else "none"
 
-    def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template reads besides messages and tools."""
+    def template_kwargs(self, reads: Callable[[str], bool] = lambda name: True) -> dict[str, Any]:
+        """What the chat template reads besides messages and tools. `reads(name)` tells whether
+        the model's template reads a variable: one it would ignore is a 400 naming it."""
         kwargs = dict(self.chat_template_kwargs or {})
         taken = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs))
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}",
                            "chat_template_kwargs", "invalid_value")
+        for name in kwargs:
+            _check_read(reads, name, f"chat_template_kwargs.{_short(name)}")
         if self.documents is not None:
+            _check_read(reads, "documents", "documents")
             kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
+            _check_read(reads, "reasoning_effort", "reasoning_effort")
             kwargs["reasoning_effort"] = self.reasoning_effort
         return kwargs
 
@@ -215,11 +286,27 @@ class CompletionRequest(_SamplingFields):
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.suffix:
-            raise _not_yet("suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of other than n is not supported", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+            raise _not_supported("suffix", "it needs fill-in-the-middle, which noesis lacks")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})",
+                           "best_of", "invalid_value")
+        if self.choices > self.n and self.stream:
+            raise APIError(400, "best_of > n cannot be streamed (as in OpenAI's API)",
+                           "best_of", "invalid_value")
+
+    @property
+    def choices(self) -> int:
+        """Generations per prompt: best_of, of which the n most likely are returned."""
+        return max(self.n, self.best_of or 0)
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: SamplingParams | None = None
+    ) -> list[SamplingParams]:
+        """As for any request; echo with logprobs scores the prompt too (the same k)."""
+        params = super().sampling_params(max_tokens, logprobs, defaults)
+        if not self.echo or self.logprobs is None:
+            return params
+        return [dataclasses.replace(p, prompt_logprobs=self.logprobs) for p in params]
 
     def check_limits(self, limits: RequestLimits) -> None:
         super().check_limits(limits)
@@ -282,6 +369,42 @@ class DetokenizeRequest(_Model):
             raise _over_limit("tokens", f"{len(self.tokens)} tokens", limits.max_prompt_chars,
                               "max-prompt-chars", "array_above_max_length")
 
+
+class EmbeddingRequest(_Model):
+    """/v1/embeddings: one input or a batch, as text or token ids. `pooling` (extra_body) picks
+    the decoder's pooling: "last" (default) or "mean"."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=COUNT_MAX)
+    user: str | None = None
+    pooling: Literal["last", "mean"] | None = None
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        inputs = self.inputs()
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"input: {len(inputs)} inputs; at most {MAX_EMBEDDING_INPUTS} "
+                           "per request", "input", "array_above_max_length")
+        several = not isinstance(self.input, str)
+        for index, one in enumerate(inputs):
+            param = f"input[{index}]" if several else "input"
+            if not one:
+                raise APIError(400, f"{param}: must not be empty", param, "invalid_value")
+            if isinstance(one, str):
+                _check_prompt_chars(param, len(one), limits)
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input field as a list of inputs (text or token ids)."""
+        value = self.input
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]
+        if not value:
+            raise APIError(400, "input: must not be empty", "input", "invalid_value")
+        return list(value)
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit per request
 
 # Set by noesis itself when it renders a template.
 _TEMPLATE_ARGUMENTS = frozenset(
@@ -593,11 +716,21 @@ def _text_part(param: str, part: dict[str, Any]) -> str:
     return part["text"]
 
 
-def _not_yet(name: str) -> APIError:
-    return APIError(
-        400,
-        f"{name} is not supported yet: structured output and tool calls arrive with a later "
-        "release of noesis",
-        name,
-        "unsupported_parameter",
-    )
+def _not_supported(name: str, why: str) -> APIError:
+    return APIError(400, f"{name} is not supported: {why}", name, "unsupported_parameter")
+
+
+def _check_read(reads: Callable[[str], bool], name: str, param: str) -> None:
+    if not reads(name):
+        message = (f"{param}: this model's chat template does not read {_short(name)!r}, so it "
+                   "would change nothing")
+        raise APIError(400, message, param, "unsupported_parameter")
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"

@@ -59,13 +59,25 @@ class Reply:
     echo: list[str] | None = None  # per choice: the prompt text to put before the completion
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    _echo_chars: dict[int, int] = field(default_factory=dict)
 
-    def usage(self, completion_tokens: int, n: int) -> dict:
+    def echo_offset(self, index: int, out: RequestOutput) -> int:
+        """Echo: the text_offset of choice `index`'s first generated token, after its prompt's
+        tokens (their texts, as logprobs show them and vLLM counts them); 0 without echo."""
+        if not self.echo:
+            return 0
+        if index not in self._echo_chars:
+            texts = map(self.token_text, out.prompt_token_ids)
+            self._echo_chars[index] = sum(map(len, texts))
+        return self._echo_chars[index]
+
+    def usage(self, completion_tokens: int, n: int, cached_tokens: int = 0) -> dict:
         prompt = sum(self.prompt_lens[::n])  # each prompt once, however many choices it has
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
 
@@ -90,6 +102,12 @@ class ChatFormat:
             '"finish_reason":null}'
             for i in range(num_choices)
         ]
+
+    @staticmethod
+    def message_delta(index: int, out: RequestOutput) -> dict:
+        """What the delta output `out` adds to choice `index`'s message (/v1/responses reads
+        replies through this too)."""
+        return {"content": out.text} if out.text else {}
 
     @staticmethod
     def delta(reply: Reply, index: int, out: RequestOutput, offset: int) -> str:
@@ -135,7 +153,9 @@ class HarmonyChatFormat(ChatFormat):
             "finish_reason": _harmony_reason(out, bool(calls)),
         }
 
-    def delta(self, reply: Reply, index: int, out: RequestOutput, offset: int) -> str:
+    def message_delta(self, index: int, out: RequestOutput) -> dict:
+        """What the delta output `out` adds to choice `index`'s message: content,
+        reasoning_content, tool_calls (a call's first entry has its id and name), as parsed."""
         parser = self.parsers[index]
         events = [e for t in out.token_ids for e in parser.feed(t)]
         if out.finished:
@@ -143,6 +163,10 @@ class HarmonyChatFormat(ChatFormat):
         delta: dict = {}
         for event in events:
             self._fold(index, event, delta)
+        return delta
+
+    def delta(self, reply: Reply, index: int, out: RequestOutput, offset: int) -> str:
+        delta = self.message_delta(index, out)
         logprobs = _chat_logprobs(reply, out.token_ids, out.logprobs)
         reason = _harmony_reason(out, self.num_calls[index] > 0) if out.finished else None
         if not delta and not logprobs and reason is None:
@@ -207,16 +231,20 @@ class CompletionFormat:
     @staticmethod
     def choice(reply: Reply, index: int, out: RequestOutput) -> dict:
         echo = reply.echo[index] if reply.echo else ""
+        offset = reply.echo_offset(index, out) if reply.logprobs_k is not None else 0
+        logprobs = _completion_logprobs(reply, out.token_ids, out.logprobs, offset)
         return {
             "index": index,
             "text": echo + out.text,
-            "logprobs": _completion_logprobs(reply, out.token_ids, out.logprobs, len(echo)),
+            "logprobs": _with_prompt(reply, out, logprobs) if echo else logprobs,
             "finish_reason": out.finish_reason,
         }
 
     @staticmethod
     def first_chunks(reply: Reply, num_choices: int) -> list[str]:
-        if not reply.echo:
+        """The echoed prompts, up front; with logprobs they go with each choice's first delta,
+        whose output carries the prompt's logprobs."""
+        if not reply.echo or reply.logprobs_k is not None:
             return []
         return [
             f'{{"index":{i},"text":{json_str(reply.echo[i])},"logprobs":null,"finish_reason":null}}'
@@ -225,10 +253,15 @@ class CompletionFormat:
 
     @staticmethod
     def delta(reply: Reply, index: int, out: RequestOutput, offset: int) -> str:
-        echo = len(reply.echo[index]) if reply.echo else 0
-        logprobs = _completion_logprobs(reply, out.token_ids, out.logprobs, echo + offset)
+        if reply.logprobs_k is not None:
+            offset += reply.echo_offset(index, out)
+        logprobs = _completion_logprobs(reply, out.token_ids, out.logprobs, offset)
+        text = out.text
+        if reply.echo and out.prompt_logprobs is not None:  # the first delta of echo with logprobs
+            text = reply.echo[index] + text
+            logprobs = _with_prompt(reply, out, logprobs)
         return (
-            f'{{"index":{index},"text":{json_str(out.text)},'
+            f'{{"index":{index},"text":{json_str(text)},'
             f'"logprobs":{_encoder.encode(logprobs) if logprobs else "null"},'
             f'"finish_reason":{_reason(out)}}}'
         )
@@ -237,14 +270,18 @@ class CompletionFormat:
 Format = type[ChatFormat] | type[CompletionFormat] | HarmonyChatFormat
 
 
-def full_response(fmt: Format, reply: Reply, outputs: list[RequestOutput], n: int) -> dict:
+def full_response(
+    fmt: Format, reply: Reply, outputs: list[RequestOutput], n: int, generation: Generation
+) -> dict:
+    """The whole response of the choices in `outputs`; usage counts every token `generation`
+    made (with best_of, the choices left out too, as OpenAI bills them)."""
     return {
         "id": fmt.id_prefix + (reply.id or uuid.uuid4().hex),
         "object": fmt.object,
         "created": reply.created,
         "model": reply.model,
         "choices": [fmt.choice(reply, i, out) for i, out in enumerate(outputs)],
-        "usage": reply.usage(sum(len(out.token_ids) for out in outputs), n),
+        "usage": reply.usage(sum(generation.num_tokens), n, generation.cached_tokens),
         "system_fingerprint": None,
     }
 
@@ -299,7 +336,8 @@ async def sse_stream(
                         offsets[index] += sum(len(reply.token_text(t)) for t in out.token_ids)
             if generation.finished:
                 if include_usage:
-                    events.append(chunks.usage(reply.usage(sum(generation.num_tokens), n)))
+                    usage = reply.usage(sum(generation.num_tokens), n, generation.cached_tokens)
+                    events.append(chunks.usage(usage))
                 events.append(DONE)
             if events:
                 yield b"".join(events)
@@ -332,15 +370,26 @@ def _chat_entry(reply: Reply, token_id: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
+def _with_prompt(reply: Reply, out: RequestOutput, logprobs: dict | None) -> dict | None:
+    """Echo: the prompt tokens' logprobs (from offset 0) before the completion's, when `out`
+    carries them."""
+    if logprobs is None or out.prompt_logprobs is None:
+        return logprobs
+    prompt = _completion_logprobs(reply, out.prompt_token_ids, out.prompt_logprobs, 0)
+    return {key: prompt[key] + logprobs[key] for key in logprobs}
+
+
 def _completion_logprobs(reply: Reply, token_ids, logprobs, offset: int) -> dict | None:
+    """OpenAI's completion logprobs; an entry of None (the prompt's first token) is null."""
     if reply.logprobs_k is None or logprobs is None:
         return None
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, logprobs, strict=True):
         text = reply.token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(entry[token_id])
-        top.append({reply.token_text(t): lp for t, lp in _top(entry, reply.logprobs_k)})
+        token_logprobs.append(None if entry is None else entry[token_id])
+        top.append(None if entry is None else
+                   {reply.token_text(t): lp for t, lp in _top(entry, reply.logprobs_k)})
         offsets.append(offset)
         offset += len(text)
     return {

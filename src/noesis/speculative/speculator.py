@@ -47,6 +47,7 @@ class Speculator:
             "accepted": 0,
             "excluded_grammar": 0,
             "excluded_logprobs": 0,
+            "excluded_logit_bias": 0,
         }
 
     @classmethod
@@ -180,6 +181,8 @@ class Speculator:
             reason = "grammar"
         elif seq.params.logprobs is not None:
             reason = "logprobs"
+        elif seq.params.logit_bias is not None:  # verification would judge the unbiased logits
+            reason = "logit_bias"
         else:
             return None
         self._excluded[seq.seq_id] = reason

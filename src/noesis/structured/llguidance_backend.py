@@ -4,6 +4,7 @@ walks them."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from concurrent.futures import Future
@@ -29,7 +30,7 @@ HARMONY_DELIMITERS = frozenset({"<|return|>", "<|call|>", "<|end|>"})
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 # Other llguidance messages that mean "valid schema, but not enforceable here" -> the keyword.
 _UNSUPPORTED_MESSAGES = (
-    (re.compile(r"Unknown format: "), "format"),
+    (re.compile(r"Unknown format: "), "format"),  # in a schema a Lark grammar embeds (%json)
     (re.compile(r"oneOf constraints are not supported"), "oneOf"),
     (re.compile(r"patternProperty regexes .* are not disjoint"), "patternProperties"),
     (re.compile(r"is not present in a registry"), "$ref"),  # remote references
@@ -62,6 +63,8 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # A count that may be written as a float: only then is the schema parsed and rewritten, since
 # parsing holds the GIL (~40 ms for 9,000 properties) while the engine loop waits for it.
 _FLOAT_COUNT = re.compile(rf'"(?:{"|".join(sorted(_INTEGER_KEYWORDS))})"\s*:\s*-?[0-9]+[.eE]')
+# A `format` keyword with a string value (a property named "format" has an object value).
+_FORMAT_VALUE = re.compile(r'"format"\s*:\s*"')
 # How many tokens the first mask allows that the compile probe steps through (see _probe).
 _PROBE_TOKENS = 3
 # The estimated memory of a compiled grammar (llguidance does not report it): a fixed part plus
@@ -371,28 +374,39 @@ def _grammar_text(spec: GrammarSpec) -> str:
     overrides = {"whitespace_flexible": False} if spec.compact_json else None
     try:
         schema: Any = spec.source  # as text: a dict costs llguidance ~30 ms at 9,000 properties
-        if _FLOAT_COUNT.search(spec.source):
-            schema = _integral_counts(json.loads(spec.source))
+        if _FLOAT_COUNT.search(spec.source) or _FORMAT_VALUE.search(spec.source):
+            schema = _normalized(json.loads(spec.source))
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
     except ValueError as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from exc
 
 
-def _integral_counts(schema: Any) -> Any:
-    """Counts written as floats (`"maxItems": 2.0`) are integers in JSON Schema; llguidance wants
-    ints."""
+def _normalized(schema: Any) -> Any:
+    """The schema as llguidance can take it, meaning the same: counts written as floats
+    (`"maxItems": 2.0`) are integers in JSON Schema, and llguidance wants ints; a `format` it
+    does not know is dropped, since in draft 2020-12 a format is an annotation that never changes
+    validity (the string stays a string, unconstrained)."""
     if isinstance(schema, list):
-        return [_integral_counts(item) for item in schema]
+        return [_normalized(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
     fixed = {}
     for key, value in schema.items():
         if key in _INTEGER_KEYWORDS and isinstance(value, float) and value.is_integer():
             value = int(value)
+        elif key == "format" and isinstance(value, str) and not _known_format(value):
+            continue
         elif key not in _DATA_KEYWORDS:  # data (const values...) is never rewritten
-            value = _integral_counts(value)
+            value = _normalized(value)
         fixed[key] = value
     return fixed
+
+
+@functools.lru_cache(maxsize=256)
+def _known_format(name: str) -> bool:
+    """Whether llguidance enforces this `format` (asked of the installed version itself)."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
+    return not llguidance.LLMatcher.validate_grammar(grammar)
 
 
 def _compile_error(

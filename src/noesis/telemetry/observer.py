@@ -87,6 +87,7 @@ class EngineObserver:
             self.trace.write(
                 {
                     "kind": "finish",
+                    "step": self.steps,  # a sidecar's block is replayed before this step
                     "request_id": seq.request_id,
                     "reason": reason,
                     "token_ids": seq.output_ids,
@@ -190,6 +191,8 @@ def trace_header(engine: Engine) -> dict[str, Any]:
     }
     if options.get("speculative") is not None:
         options["speculative"] = dataclasses.asdict(options["speculative"])
+    if not isinstance(options.get("control"), (str, type(None))):  # a ControlPolicy object
+        options["control"] = options["control"].name
     return {
         "model": str(loaded.model_dir),
         "model_hash": model_hash,

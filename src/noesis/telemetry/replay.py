@@ -10,6 +10,9 @@ from typing import Any
 
 from noesis.telemetry.trace import Trace, TraceError, TraceWriter, load_trace, model_hashes
 
+BLOCKED = "content_filter"  # the finish reason of a request a sidecar blocked
+REPLAYED_BLOCK = "blocked by a sidecar in the recording"
+
 
 @dataclass(frozen=True)
 class Divergence:
@@ -49,16 +52,102 @@ class ReplayReport:
         return self.divergence is None
 
 
-def replay(path: str | Path, model: str | None = None, device: str | None = None) -> ReplayReport:
+def replay(path: str | Path, model: str | None = None, device: str | None = None,
+           request_id: str | None = None) -> ReplayReport:
     """Replay the trace at `path` (on the model and device it names, unless overridden: the
-    model must hash the same); TraceError when it cannot be replayed."""
+    model must hash the same); TraceError when it cannot be replayed. request_id: reproduce that
+    request: alone when the trace was recorded batch_invariant (its tokens only), else in its
+    recorded batches: the traffic up to its end, replayed and compared as a whole."""
     trace = load_trace(path)
+    if request_id is not None and trace.header["engine"].get("batch_invariant"):
+        return replay_alone(trace, request_id, model, device)
+    if request_id is not None:
+        trace = until_end_of(trace, request_id)
     engine = _engine_for(trace, model, device)
     try:
-        got = _run(engine, trace)
+        got = _run(engine, trace, until=request_id)
     finally:
         engine.close()
     return compare(trace, got)
+
+
+def until_end_of(trace: Trace, request_id: str) -> Trace:
+    """The trace cut after `request_id` ends (finishes or is aborted): what it shared batches
+    with, and nothing after. A request the trace never saw end keeps the whole trace."""
+    _added(trace, request_id)
+    for index, event in enumerate(trace.events):
+        if event["kind"] in ("finish", "abort") and event["request_id"] == request_id:
+            return Trace(trace.header, trace.events[: index + 1])
+    return trace
+
+
+def replay_alone(trace: Trace, request_id: str, model: str | None = None,
+                 device: str | None = None) -> ReplayReport:
+    """One request of a busy recording, run with nothing beside it: in batch-invariant mode its
+    tokens cannot depend on the batches it was recorded in, so they must come back the same."""
+    from noesis.telemetry.trace import params_from_dict
+
+    if not trace.header["engine"].get("batch_invariant"):
+        raise TraceError("replaying one request alone needs a trace recorded with "
+                         "batch_invariant (--batch-invariant): otherwise its tokens depend on "
+                         "the batches it shared")
+    added = _added(trace, request_id)
+    blocked = [e for e in trace.of_kind("finish") if e["request_id"] == request_id
+               and e["reason"] == BLOCKED]  # fmt: skip
+    engine = _engine_for(trace, model, device)
+    try:
+        engine.add_request(added["prompt"], params_from_dict(added["params"]), request_id,
+                           stream=False)
+        records = engine.observer.trace.records
+        while engine.has_unfinished():
+            engine.step()
+            if blocked and _emitted(records) >= len(blocked[0]["token_ids"]):
+                engine.filter_request(request_id, REPLAYED_BLOCK)  # where the recording was
+        got = records[1:]
+    finally:
+        engine.close()
+    return _compare_alone(trace, request_id, got)
+
+
+def _emitted(records: list[dict[str, Any]]) -> int:
+    """Output tokens in a lone replay's records so far."""
+    return sum(len(ids) for e in records if e["kind"] == "tokens" for _, ids in e["out"])
+
+
+def _added(trace: Trace, request_id: str) -> dict[str, Any]:
+    """The trace's "add" event of `request_id`; TraceError naming some it has when none."""
+    adds = [e for e in trace.requests if e["request_id"] == request_id]
+    if not adds:
+        shown = ", ".join(repr(e["request_id"]) for e in trace.requests[:10])
+        raise TraceError(f"the trace has no request {request_id!r} (it has {shown})")
+    return adds[0]
+
+
+def _compare_alone(trace: Trace, request_id: str, replayed: list[dict[str, Any]]):
+    """The request's recorded output tokens against the lone replay's, then how it ended."""
+    want = [t for e in trace.of_kind("tokens") for rid, ids in e["out"] if rid == request_id
+            for t in ids]  # fmt: skip
+    got, gaps = [], []  # the replay's tokens, and each step's logit gap of its first one
+    for event in (e for e in replayed if e["kind"] == "tokens"):
+        for _, ids in event["out"]:  # only the request replayed
+            values = event.get("signals", {}).get(RecordedLogitGap.name) or [None]
+            gaps.extend([values[0]] + [None] * (len(ids) - 1))
+            got.extend(ids)
+    steps = len([e for e in replayed if e["kind"] == "step"])
+    index = _first_difference(want, got)
+    if index < len(want):
+        gap = gaps[index] if index < len(gaps) and gaps[index] == gaps[index] else None
+        shown = got[index] if index < len(got) else None
+        divergence = Divergence("token", None, request_id, index, want[index], shown, gap)
+        return ReplayReport(1, steps, index, divergence)
+    ends = [e for e in trace.of_kind("finish") if e["request_id"] == request_id]
+    mine = [e for e in replayed if e["kind"] == "finish"]
+    if ends and (not mine or mine[0]["reason"] != ends[0]["reason"]):
+        got_end = [mine[0]["reason"], mine[0]["token_ids"]] if mine else None
+        divergence = Divergence("finish", None, request_id, None,
+                                [ends[0]["reason"], ends[0]["token_ids"]], got_end)
+        return ReplayReport(1, steps, len(want), divergence)
+    return ReplayReport(1, steps, len(want), None)
 
 
 def _engine_for(trace: Trace, model: str | None, device: str | None):
@@ -120,14 +209,17 @@ class RecordedLogitGap:
         return {self.name: torch.where(index >= 0, gap, torch.nan)}
 
 
-def _run(engine, trace: Trace) -> list[dict[str, Any]]:
-    """Drive the engine through the trace's adds, aborts and warm-up; its own records back."""
+def _run(engine, trace: Trace, until: str | None = None) -> list[dict[str, Any]]:
+    """Drive the engine through the trace's adds, aborts, sidecar blocks and warm-up; its own
+    records back. until: stop once that request has ended (what else runs is left unfinished)."""
     from noesis.telemetry.trace import params_from_dict
 
     observer = engine.observer
-    inputs = [e for e in trace.events if e["kind"] in ("add", "abort", "warm_up")]
+    inputs = [e for e in trace.events if e["kind"] in ("add", "abort", "warm_up")
+              or (e["kind"] == "finish" and e["reason"] == BLOCKED)]  # fmt: skip
     position = 0
-    while position < len(inputs) or engine.has_unfinished():
+    ended = False  # whether `until` has ended
+    while not ended and (position < len(inputs) or engine.has_unfinished()):
         # Idle engine: nothing can run before the next input, whatever step it names.
         idle = not engine.has_unfinished()
         while position < len(inputs) and (idle or inputs[position]["step"] <= observer.steps):
@@ -136,13 +228,23 @@ def _run(engine, trace: Trace) -> list[dict[str, Any]]:
             if event["kind"] == "add":
                 params = params_from_dict(event["params"])
                 engine.add_request(event["prompt"], params, event["request_id"], stream=False)
-            elif event["kind"] == "abort":
-                engine.abort(event["request_id"])
-            else:
+            elif event["kind"] == "warm_up":
                 engine.warm_up()
+            else:
+                _end(engine, event)
+                ended = ended or event["request_id"] == until
             idle = False
-        engine.step()
+        outputs = engine.step()
+        ended = ended or any(out.finished and out.request_id == until for out in outputs)
     return observer.trace.records[1:]
+
+
+def _end(engine, event: dict[str, Any]) -> None:
+    """An abort, or a sidecar's block (a "content_filter" finish), where the recording had it."""
+    if event["kind"] == "abort":
+        engine.abort(event["request_id"])
+    else:
+        engine.filter_request(event["request_id"], REPLAYED_BLOCK)
 
 
 def compare(trace: Trace, replayed: list[dict[str, Any]]) -> ReplayReport:

@@ -25,8 +25,10 @@ TRACE_VERSION = 1
 FULL_HASH_BYTES = 1 << 30  # files up to this size are hashed whole; larger ones are sampled
 SAMPLE_CHUNK = 1 << 20
 SAMPLES_PER_FILE = 64
-# Engine options that do not change what runs: progress bars, where files go.
-IGNORED_OPTIONS = ("progress", "telemetry", "trace")
+# Engine options that do not change what runs: progress bars, where files go; and sidecars,
+# whose decisions are recorded (a block: a "content_filter" finish at its step) and replayed as
+# recorded, not recomputed (their verdicts arrive a varying number of steps late).
+IGNORED_OPTIONS = ("progress", "telemetry", "trace", "sidecars")
 
 
 class TraceError(NoesisError):
@@ -54,7 +56,11 @@ def file_hash(paths: list[Path]) -> str:
 
 
 def model_hashes(model_dir: Path) -> tuple[str, str]:
-    """(model hash: config.json and the safetensors files, tokenizer hash: the other files)."""
+    """(model hash: config.json and the safetensors files, tokenizer hash: the other files). A
+    single-file checkpoint (GGUF) holds both: its one hash is both."""
+    if model_dir.is_file():
+        digest = file_hash([model_dir])
+        return digest, digest
     files = [p for p in model_dir.iterdir() if p.is_file()]
     weights = [p for p in files if p.suffix == ".safetensors" or p.name == "config.json"]
     tokenizer = [
@@ -66,7 +72,9 @@ def model_hashes(model_dir: Path) -> tuple[str, str]:
 
 
 def params_to_dict(params: SamplingParams, seed: int) -> dict[str, Any]:
-    out = dataclasses.asdict(params)
+    # A conversation's control (an object) is recorded as control on: a replay steers the
+    # request with the engine's own policy, from a fresh belief.
+    out = dataclasses.asdict(dataclasses.replace(params, control=params.control is not False))
     out["seed"] = seed
     out["stop"], out["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
     return out

@@ -22,11 +22,11 @@ TOOL_TASKS = (
 )
 
 DEFAULTS: dict[str, Any] = {
-    "router": "models/noesis-router",
+    "router": "noesis-router",
     "experts": {
-        "noesis-tiny": "models/noesis-tiny",
-        "noesis-tiny-draft": "models/noesis-tiny-draft",
-        "noesis-tiny-ternary": "models/noesis-tiny-ternary",
+        "noesis-tiny": "noesis-tiny",
+        "noesis-tiny-draft": "noesis-tiny-draft",
+        "noesis-tiny-ternary": "noesis-tiny-ternary",
     },
     # First matching rule wins; `tasks = ["*"]` matches any task. `device` is a preference list:
     # the first device present is used ("cuda" only when torch sees one).
@@ -222,6 +222,13 @@ def _rule(raw: dict[str, Any], experts: dict[str, Path]) -> RouteRule:
 
 
 def _path(value: str) -> Path:
+    """A bundled model's name (noesis-tiny: found in a clone and in an installed wheel alike), an
+    absolute path, or a path relative to the repository (configs written for a clone)."""
+    from noesis.weights.hub import bundled_models
+
+    bundled = bundled_models().get(value)
+    if bundled is not None:
+        return bundled
     path = Path(value)
     return path if path.is_absolute() else REPO_ROOT / path
 

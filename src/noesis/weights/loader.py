@@ -11,19 +11,23 @@ from tqdm.auto import tqdm
 
 from noesis.errors import CheckpointMismatch
 from noesis.models.config import ModelConfig
+from noesis.quant.packing import is_packed_layout, to_memory_layout
 from noesis.weights.mapping import Source, is_ignored, sources_for
 from noesis.weights.mxfp4 import dequantize_mxfp4
+from noesis.weights.paging import ReadClock
 from noesis.weights.safetensors_io import checkpoint_files, iter_tensors, tensor_index
 
 MAX_NAMES = 10
 
 
 def load_weights(
-    model: nn.Module, config: ModelConfig, model_dir: Path, progress: bool = True
+    model: nn.Module, config: ModelConfig, model_dir: Path, progress: bool = True,
+    clock: ReadClock | None = None,
 ) -> int:
     """Copy checkpoint tensors into `model`'s (already allocated) parameters, casting dtype.
     Returns the bytes of checkpoint tensors read (skipped ones, e.g. a vision tower's, are
-    never touched)."""
+    never touched). `clock` books the seconds spent reading them apart from placing them."""
+    clock = clock or ReadClock()
     index = tensor_index(checkpoint_files(model_dir))
     params = dict(model.named_parameters())
     targets = _targets(params, config)  # checkpoint key -> (param name, source)
@@ -37,7 +41,7 @@ def load_weights(
     bytes_read = 0
     with torch.no_grad():
         for path, keys in by_file.items():
-            for key, tensor in iter_tensors(path, keys):
+            for key, tensor in clock.tensors(iter_tensors(path, keys)):
                 bar.update(1)
                 bytes_read += tensor.nbytes
                 name, source = targets[key]
@@ -62,6 +66,8 @@ def _place(param: torch.Tensor, source: Source, tensor: torch.Tensor, key: str) 
         dest = dest.narrow(0, source.offset, source.rows)
     if not dest.is_floating_point() and tensor.dtype != dest.dtype:
         raise CheckpointMismatch(f"{key}: dtype {tensor.dtype}, model {dest.dtype}")
+    if is_packed_layout(source.layout):  # AWQ / GPTQ: into PackedLinear's layout
+        tensor = to_memory_layout(source.layout, tensor, key)
     if source.layout == "transposed":
         tensor = tensor.transpose(-1, -2)
     if source.interleaved:  # [E, 2I, ...] with gate, up alternating -> [gate | up]

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from noesis.models.config import CAPABILITIES, TEXT_PREFIX, ModelConfig
+from noesis.quant.packing import checkpoint_shape, is_packed_layout, layout_name
+from noesis.quant.scheme import LEAVES as PACKED_LEAVES
+from noesis.quant.scheme import weight_quant
 
 # fused parameter -> its parts, in row order
 FUSED_PARTS = {
@@ -48,7 +51,9 @@ class Source:
     rows: int | None  # rows this part fills in a fused parameter; None: the whole parameter
     offset: int = 0  # first of those rows
     expert: int | None = None  # index along dim 0 of a stacked expert parameter it fills
-    layout: str = "same"  # "same", "transposed" (last two dims), "mxfp4_blocks", "mxfp4_scales"
+    # "same", "transposed" (last two dims), "mxfp4_blocks", "mxfp4_scales", or an AWQ / GPTQ
+    # packed projection's (noesis.quant.packing), e.g. "awq4_qweight"
+    layout: str = "same"
     interleaved: bool = False  # gpt-oss gate_up: gate and up rows alternate (dim 1)
 
     def shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -62,6 +67,8 @@ class Source:
             return (*shape[:-1], shape[-1] // MXFP4_BLOCK, MXFP4_BLOCK // 2)
         if self.layout == "mxfp4_scales":
             return (*shape[:-1], shape[-1] // MXFP4_BLOCK)
+        if is_packed_layout(self.layout):
+            return checkpoint_shape(self.layout, shape)
         return shape
 
 
@@ -80,15 +87,23 @@ def _sources(param_name: str, config: ModelConfig) -> list[Source]:
     parent, _, proj = module.rpartition(".")
     if proj == "experts":
         return _expert_sources(module, leaf, config)
+    layout = _packed_layout(leaf, config)
     if proj not in FUSED_PARTS or config.family in PREFUSED_FAMILIES:
-        return [Source(param_name, None)]
+        return [Source(param_name, None, layout=layout)]
     parts = FUSED_PARTS[proj]
-    rows = _part_rows(proj, config)
+    # a GPTQ g_idx table has one row per part; everything else stacks the parts' output rows
+    rows = (1,) * len(parts) if leaf == "g_idx" else _part_rows(proj, config)
     offsets = [sum(rows[:i]) for i in range(len(rows))]
     return [
-        Source(f"{parent}.{part}.{leaf}", n, offset)
+        Source(f"{parent}.{part}.{leaf}", n, offset, layout=layout)
         for part, n, offset in zip(parts, rows, offsets, strict=True)
     ]
+
+
+def _packed_layout(leaf: str, config: ModelConfig) -> str:
+    """"same", or the layout of an AWQ / GPTQ projection's tensor, converted as it loads."""
+    quant = weight_quant(config) if leaf in PACKED_LEAVES else None
+    return "same" if quant is None else layout_name(quant.method, quant.bits, leaf)
 
 
 def _expert_sources(module: str, leaf: str, config: ModelConfig) -> list[Source]:

@@ -81,6 +81,21 @@ def iter_tensors(path: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tenso
                 raise CheckpointError(f"{path}: cannot read tensor {key}: {exc}") from exc
 
 
+def iter_slices(
+    path: Path, slices: list[tuple[str, int, int, int]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, part) for each (name, dim, start, length) of one file, dim 0 or 1: only that
+    part is read from the mmap (a tensor-parallel rank's shard), never the whole tensor."""
+    with _open(path) as handle:
+        for key, dim, start, length in slices:
+            try:
+                part = handle.get_slice(key)
+                window = slice(start, start + length)
+                yield key, part[window] if dim == 0 else part[:, window]
+            except SafetensorError as exc:
+                raise CheckpointError(f"{path}: cannot read tensor {key}: {exc}") from exc
+
+
 def _shard_names(index: Path) -> list[str]:
     weight_map = read_json_file(index, TOKENIZER_MAX_BYTES).get("weight_map")
     if not isinstance(weight_map, dict) or not all(
