@@ -10,7 +10,9 @@ reference on the same logits.
 --step-ms: the decode step the added time is a share of, per batch (default: the 8B graph step
 on the H200 in benchmarks/RESULTS.md; pass the same card's own figures when they differ).
 `of step` adds the device's and the host's time, a ceiling: with overlapped steps (the CUDA
-default) the host's part runs while the device computes the next step.
+default) the host's part runs while the device computes the next step. `kernel us` is
+token_metrics alone, replayed from a CUDA graph (the device's own time, no launch cost; the
+capture also shows the call is graph-safe); `eager us` the same call launched from Python.
 """
 
 from __future__ import annotations
@@ -59,6 +61,23 @@ def time_ms(fn, reps: int, device: str) -> float:
     return (time.perf_counter() - began) * 1e3 / reps
 
 
+def metrics_us(logits: torch.Tensor, reps: int, device: str) -> tuple[float, float]:
+    """(graph-replayed, eager) microseconds of one token_metrics call on these logits; on the
+    CPU both are the eager time."""
+    eager = time_ms(lambda: token_metrics(logits), reps, device) * 1e3
+    if device != "cuda":
+        return eager, eager
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile) off the capture
+        token_metrics(logits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        token_metrics(logits)
+    return time_ms(graph.replay, reps, device) * 1e3, eager
+
+
 def host_knobs_us(tokens: int = 20000) -> float:
     """Per token and row: what the engine runs on the host when a step is read back, a
     TokenKnobs.observe under the default policy (belief, Φ, the row's knobs)."""
@@ -86,6 +105,7 @@ def main() -> None:
         gen = torch.Generator(device=args.device).manual_seed(batch)
         logits = torch.randn(batch, args.vocab, device=args.device, generator=gen) * 3
         error = (token_metrics(logits) - reference_metrics(logits)).abs().max().item()
+        kernel_us, eager_us = metrics_us(logits, args.reps, args.device)
         for name, greedy in (("greedy", True), ("T=0.7", False)):
             off, on = (knobs(batch, greedy, m, args.device) for m in (False, True))
             off_ms = time_ms(lambda o=off, x=logits: sample(x, o), args.reps, args.device)
@@ -95,15 +115,17 @@ def main() -> None:
             rows.append({"batch": batch, "setting": name, "off_ms": off_ms, "on_ms": on_ms,
                          "added_us": (on_ms - off_ms) * 1e3, "host_us": host_ms * 1e3,
                          "share_of_step": (on_ms - off_ms + host_ms) / step, "step_ms": step,
+                         "kernel_us": kernel_us, "eager_us": eager_us,
                          "max_abs_error_vs_reference": error})  # fmt: skip
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "vocab": args.vocab, "rows": rows,
               "host_knobs_us_per_token": host_us}  # fmt: skip
     print(f"{'batch':>5} {'setting':>8} {'off ms':>8} {'on ms':>8} {'added us':>9} "
-          f"{'host us':>8} {'of step':>8}")  # fmt: skip
+          f"{'host us':>8} {'of step':>8} {'kernel us':>9} {'eager us':>8}")  # fmt: skip
     for r in rows:
         print(f"{r['batch']:>5} {r['setting']:>8} {r['off_ms']:>8.3f} {r['on_ms']:>8.3f} "
-              f"{r['added_us']:>9.1f} {r['host_us']:>8.1f} {100 * r['share_of_step']:>7.2f}%")
+              f"{r['added_us']:>9.1f} {r['host_us']:>8.1f} {100 * r['share_of_step']:>7.2f}% "
+              f"{r['kernel_us']:>9.1f} {r['eager_us']:>8.1f}")  # fmt: skip
     print(
         f"host knobs: {host_us:.1f} us per token and row; kernel vs "
         f"reference max abs error {max(r['max_abs_error_vs_reference'] for r in rows):.2e}"

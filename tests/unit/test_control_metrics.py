@@ -140,3 +140,31 @@ def test_speculated_tokens_keep_the_metrics_aligned(checkpoints):
     assert out.spec_accepted > 0
     assert len(out.token_metrics) == len(out.token_ids) == 9
     assert out.token_metrics[0] is not None and out.token_metrics.count(None) >= out.spec_accepted
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_the_triton_kernel_counts_repeated_top_logits_across_blocks():
+    """The top-k mass counts a repeated value each time it occurs (as torch.topk does), whether
+    the repeats share a block or not; a row shorter than k, and a row of 40 blocks."""
+    pytest.importorskip("triton")
+    from noesis.sampling import metrics_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(3)
+    logits = torch.randn(3, 5000)
+    logits[0, [10, 11, 2000, 4999]] = 9.0  # two in block 0, one in block 1, one in the tail
+    logits[0, 3000] = 8.5
+    logits[1] = 0.0  # every block ties everywhere
+    logits[2, :4100] = float("-inf")  # only the tail block allowed
+    logits[2, 4200] = logits[2, 4300] = 5.0
+    short = torch.tensor([[1.0, 1.0, -2.0], [0.5, float("-inf"), 0.5]])  # vocab 3 < top-k 5
+    wide = torch.randn(1, 40000) * 3
+    wide[0, [5, 39000]] = 20.0
+    assert metrics_kernel.block_size(128256) == 1024 and metrics_kernel.block_size(3) == 16
+    for rows in (logits, short, wide):
+        got = metrics_kernel.token_metrics(rows.to(device), METRICS_TOP_K).cpu()
+        assert torch.allclose(got, reference_metrics(rows), rtol=1e-4, atol=1e-5)
+    got = metrics_kernel.token_metrics(logits.to(device), METRICS_TOP_K).cpu()
+    top = torch.tensor([9.0] * 4 + [8.5])
+    assert got[0, 2].item() == pytest.approx(float((top - logits[0].logsumexp(0)).exp().sum()))
+    assert got[0, 3].item() == pytest.approx(0.0, abs=1e-7)  # the best two tie: no margin

@@ -1,6 +1,7 @@
-"""The dequantizing Triton matmul compiled for an H100/H200 (sm_90) on this CPU machine, as
-noesis.quant.kernel launches it on 8B shapes in bf16: decode (split K) and prefill, ordered
-groups and act-order, int4 and int8. It must compile and assemble without register spills.
+"""The dequantizing Triton kernels compiled for an H100/H200 (sm_90) on this CPU machine, as
+noesis.quant.kernel launches them on 8B shapes in bf16: decode (one row on the CUDA cores, 16
+rows through tl.dot, a split over K) and prefill, ordered groups and act-order, int4 and int8.
+They must compile and assemble without register spills.
 
 The interpreter (test_quant_linear.py) accepts code the compiler rejects; the compiles run in a
 child process, started when the tests are collected (see test_kernels_compile.py, whose
@@ -20,12 +21,15 @@ import pytest
 
 triton = pytest.importorskip("triton")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-# (rows, N, K, bits, group size, act-order)
+# (rows, N, K, bits, group size, act-order, decode config or None for the default)
 LAUNCHES = {
-    "decode int4 g128": (1, 4096, 4096, 4, 128, False),
-    "decode int4 act-order": (8, 6144, 4096, 4, 128, True),
-    "decode int8 per channel": (1, 4096, 14336, 8, -1, False),
-    "prefill int4 g128": (300, 4096, 4096, 4, 128, False),
+    "decode int4 g128": (1, 4096, 4096, 4, 128, False, None),
+    "decode int4 g128 wide tile": (1, 28672, 4096, 4, 128, False, (32, 256, 0, 8, 3, False)),
+    "decode int4 one row dot": (1, 6144, 4096, 4, 128, False, (64, 128, 0, 4, 3, True)),
+    "decode int4 act-order": (8, 6144, 4096, 4, 128, True, None),
+    "decode int8 per channel": (1, 4096, 14336, 8, -1, False, None),
+    "decode int8 split": (16, 4096, 14336, 8, -1, False, (32, 128, 4, 4, 3, True)),
+    "prefill int4 g128": (300, 4096, 4096, 4, 128, False, None),
 }
 
 
@@ -35,17 +39,21 @@ def compile_all() -> dict[str, str]:
 
     from noesis.quant import kernel
 
-    recorded, real = [], kernel._packed_matmul
+    recorded = []
 
     class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: recorded.append((real, args, kwargs))
+        def __init__(self, real):
+            self.real = real
 
-    kernel._packed_matmul = Recorder()
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append((self.real, args, kwargs))
+
+    for name in ("_packed_gemv", "_packed_gemv_dot", "_packed_matmul"):
+        setattr(kernel, name, Recorder(getattr(kernel, name)))
     bf16 = torch.bfloat16
     reports = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (m, n, k, bits, group, act_order) in LAUNCHES.items():
+        for name, (m, n, k, bits, group, act_order, config) in LAUNCHES.items():
             groups = 1 if group == -1 else k // group
             recorded.clear()
             kernel.packed_matmul(
@@ -53,6 +61,7 @@ def compile_all() -> dict[str, str]:
                 torch.zeros(n, groups, dtype=bf16), torch.zeros(n, groups, dtype=bf16),
                 torch.zeros(k, dtype=torch.int32) if act_order else None, bits,
                 k if group == -1 else group,
+                config=config and kernel.GemvConfig(*config),
             )
             (launch,) = recorded
             reports[name] = compile_launch(*launch, Path(tmp))["ptxas"]

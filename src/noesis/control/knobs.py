@@ -33,10 +33,11 @@ class TokenKnobs:
     be a conversation's (noesis.control.turns.TurnControl): then the baseline and Φ carry over
     from its earlier generations."""
 
-    __slots__ = ("policy", "state", "params", "temperature", "top_p")
+    __slots__ = ("policy", "state", "params", "temperature", "top_p", "_applied")
 
     def __init__(self, policy: ControlPolicy, state: ControlState, params: SamplingParams) -> None:
         self.policy, self.state, self.params = policy, state, params
+        self._applied: tuple[Phi, Phi] | None = None
         self._apply(state.phi.phi)
 
     def observe(self, metrics: TokenMetrics | None) -> None:
@@ -45,6 +46,10 @@ class TokenKnobs:
 
     def _apply(self, phi: Phi) -> None:
         base, params = self.state.phi.base, self.params
+        applied = self._applied
+        if applied is not None and applied[0] is phi and applied[1] is base:
+            return  # Φ moves once per `hysteresis` tokens at most: most tokens change nothing
+        self._applied = (phi, base)
         self.temperature = params.temperature * _ratio(phi.temperature, base.temperature)
         self.top_p = params.top_p
         if params.top_p < 1.0:

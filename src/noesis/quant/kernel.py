@@ -1,51 +1,292 @@
 """The dequantizing matmul on CUDA: y = x @ dequantize(W)^T with W packed as in
-noesis.quant.packing, one Triton kernel launched two ways.
+noesis.quant.packing (rows of int32 words along K), three Triton kernels.
 
-- decode (M <= 16): one 16-row MMA tile covers the whole batch, narrow blocks of output rows
-  and the K range split over programs, so that a 4096-wide projection still fills the GPU; the
-  per-split float32 partials are summed in a fixed order (deterministic, no atomics).
-- prefill: square-ish tiles over M and N, the whole of K per program.
+- one row (decode at batch 1), `_packed_gemv`: a program streams BLOCK_N whole packed rows
+  (16-byte loads per thread along K, coalesced), unpacks them inside each thread and multiplies
+  on the CUDA cores, with about three instructions per code (see its docstring); a float32
+  accumulator tile is summed once at the end, as the bf16 row GEMV does.
+- up to DECODE_ROWS rows, act-order, or groups no tile fits, `_packed_gemv_dot`: the same row
+  tiles dequantized in registers as tl.dot's left operand, x^T the right one.
+- prefill, `_packed_matmul`: square-ish tiles over M and N, the whole of K per program.
 
-Each program loads a [BLOCK_K / pack, BLOCK_N] tile of words once, unpacks it in registers,
-subtracts the zero points, scales (float32, rounded once to the model dtype, as the portable
-path rounds) and feeds tl.dot. No host sync and only stream-ordered allocations: the launch
-captures into CUDA graphs. Checked against the portable path under TRITON_INTERPRET=1
-(tests/unit/test_quant_linear.py).
+Decode launches take BLOCK_N, BLOCK_K, the split over K, warps and pipeline stages per (bits, N,
+K, rows) from gemv_configs.json beside this file (benchmarks/quant_gemv_sweep.py writes it per
+GPU model), else defaults. Narrow BLOCK_N gives N / BLOCK_N programs, several per SM, so most
+shapes need no split over K; where one is configured, the float32 partials are summed in a fixed
+order (deterministic, no atomics). No host sync and only stream-ordered allocations: the
+launches capture into CUDA graphs. Checked against the portable path and a float64 reference
+under TRITON_INTERPRET=1 (tests/unit/test_quant_linear.py, test_quant_gemv.py).
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 DECODE_ROWS = 16  # batches up to this many rows take the decode launch
-TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs (not tuned on the device yet)
+TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs: the default split aims at this
+CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
+MAGIC = tl.constexpr(8388608.0)  # 2^23: (code | 0x4B000000) as a float is MAGIC + code
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One decode launch: output rows and K columns per program, programs along K (0: enough
+    to reach TARGET_PROGRAMS), warps, software-pipeline stages, tl.dot (else CUDA-core FMAs)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 0
+    warps: int = 4
+    stages: int = 3
+    dot: bool = False
+
+    def as_list(self) -> list[int]:
+        return [self.block_n, self.block_k, self.split_k, self.warps, self.stages, int(self.dot)]
+
+
+def default_gemv_config(bits: int, rows: int) -> GemvConfig:
+    """Untuned: 256 bytes of words per output row per tile; FMAs for one row, an MMA tile for
+    more (a 16-row FMA tile costs 16 products per weight on the CUDA cores)."""
+    if rows == 1:
+        return GemvConfig(8, 64 * (32 // bits), stages=3)
+    return GemvConfig(32, 128, dot=True)
+
+
+def config_key(bits: int, n: int, k: int, rows: int) -> str:
+    """gemv_configs.json's key: rows bucketed to 1 or DECODE_ROWS."""
+    return f"{bits},{n},{k},{1 if rows == 1 else DECODE_ROWS}"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+@functools.cache
+def _device_configs(device: torch.device) -> dict[str, list[int]]:
+    """This GPU model's tuned decode configs, by config_key."""
+    if not CONFIG_FILE.exists():
+        return {}
+    return json.loads(CONFIG_FILE.read_text()).get(_device_name(device), {})
+
+
+def gemv_config(bits: int, n: int, k: int, rows: int, device: torch.device) -> GemvConfig:
+    tuned = _device_configs(device).get(config_key(bits, n, k, rows))
+    if tuned:
+        block_n, block_k, split_k, warps, stages, dot = tuned
+        return GemvConfig(block_n, block_k, split_k, warps, stages, bool(dot))
+    return default_gemv_config(bits, rows)
+
+
+@triton.jit
+def _packed_gemv(
+    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, y_ptr, N, stride_ys,
+    K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    SUB: tl.constexpr, K_SPLIT: tl.constexpr, EVEN: tl.constexpr, ZERO: tl.constexpr,
+    HAS_MIN: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One row: y[split] [N] = W[:, split's K range] @ x, on the CUDA cores. A K tile is RUNS
+    runs of SUB columns, each run inside one group, its words held as [BLOCK_N, RUNS, words per
+    run] (16-byte loads along K; EVEN: no tile reaches past K, so no mask splits them) and
+    unpacked inside each thread along a fourth axis.
+
+    Per code: a shift and a mask-or make the float q = 1 + code / 2^BITS (exact), one FMA adds
+    q * x to its word's sum, one add sums x over the word (no integer-to-float conversion, no
+    zero point subtracted per code). Per word, with S = 2^BITS:
+    sum (code - zero) x = S sum q x - (S + zero) sum x; scale, and GGUF's minimums times
+    sum x, apply per word.
+    So the weight is (code - zero) * scale as float32 holds it, not rounded to the model dtype
+    as the portable path rounds it (a difference well under bfloat16's own error)."""
+    PACK: tl.constexpr = 32 // BITS
+    RUNS: tl.constexpr = BLOCK_K // SUB
+    WORDS_PER_RUN: tl.constexpr = SUB // PACK
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    words_in = tl.arange(0, RUNS)[:, None] * WORDS_PER_RUN + tl.arange(0, WORDS_PER_RUN)[None, :]
+    codes_in = words_in[:, :, None] * PACK + tl.arange(0, PACK)[None, None, :]  # [R, W, P]
+    w_rows = w_ptr + (cols.to(tl.int64) * (K // PACK))[:, None, None]
+    acc = tl.zeros([BLOCK_N, RUNS, WORDS_PER_RUN], dtype=tl.float32)
+    for step in tl.range(0, K_SPLIT, BLOCK_K, num_stages=STAGES):
+        k0 = split * K_SPLIT + step
+        ks = k0 + codes_in
+        if EVEN:
+            words = tl.load(w_rows + (k0 // PACK + words_in)[None, :, :],
+                            mask=col_ok[:, None, None], other=0)  # [BN, R, W]
+            x = tl.load(x_ptr + ks).to(tl.float32)  # [R, W, P]
+        else:
+            words = tl.load(w_rows + (k0 // PACK + words_in)[None, :, :],
+                            mask=col_ok[:, None, None] & (k0 + words_in * PACK < K)[None, :, :],
+                            other=0)
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        starts = k0 + tl.arange(0, RUNS) * SUB
+        at = cols[:, None] * GROUPS + (starts // GROUP)[None, :]  # [BN, R]
+        ok = col_ok[:, None] & (starts < K)[None, :]
+        scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        q = _unpack_in_thread(words.to(tl.uint32, bitcast=True), BITS, BLOCK_N, RUNS,
+                              WORDS_PER_RUN)  # [BN, R, W, P]
+        sums = tl.sum(q * x[None, :, :, :], 3)  # [BN, R, W]
+        word_x = tl.sum(x, 2)[None, :, :]  # [1, R, W]: each thread sums its own words' x
+        offset = scale * _zero_point(z_ptr, at, ok, ZERO, (1 << BITS))
+        if HAS_MIN:
+            offset -= tl.load(m_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        acc += sums * (scale * (1 << BITS))[:, :, None] - offset[:, :, None] * word_x
+    y = tl.sum(tl.sum(acc, 2), 1)
+    tl.store(y_ptr + split * stride_ys + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _unpack_in_thread(words, BITS: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                      D2: tl.constexpr):
+    """[D0, D1, D2] uint32 words -> [D0, D1, D2, 32 / BITS] floats 1 + code / 2^BITS, code i at
+    index i. Built with tl.join, whose new axis stays inside each thread (a broadcast against a
+    shift vector lets the compiler spread it over lanes, and sums over it become shuffles)."""
+    if BITS == 4:
+        a0, a1 = _code(words, 0, BITS), _code(words, 1, BITS)
+        a2, a3 = _code(words, 2, BITS), _code(words, 3, BITS)
+        a4, a5 = _code(words, 4, BITS), _code(words, 5, BITS)
+        a6, a7 = _code(words, 6, BITS), _code(words, 7, BITS)
+        # axes appended in join order: index = 4 * first + 2 * second + third
+        joined = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)),
+                         tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+        q = tl.reshape(joined, (D0, D1, D2, 8))
+    else:
+        joined = tl.join(tl.join(_code(words, 0, BITS), _code(words, 2, BITS)),
+                         tl.join(_code(words, 1, BITS), _code(words, 3, BITS)))
+        q = tl.reshape(joined, (D0, D1, D2, 4))
+    return q
+
+
+@triton.jit
+def _code(words, i: tl.constexpr, BITS: tl.constexpr):
+    """Code i of each uint32 word moved to the top of a float's mantissa: 1 + code / 2^BITS."""
+    SHIFT: tl.constexpr = 23 - BITS - BITS * i
+    FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)
+    if SHIFT >= 0:
+        moved = words << SHIFT
+    else:
+        moved = words >> -SHIFT
+    return ((moved & FIELD) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _zero_point(z_ptr, at, ok, ZERO: tl.constexpr, BIAS: tl.constexpr):
+    """BIAS + the zero point at `at` (ZERO < 0: from z_ptr, else that constant), float32."""
+    if ZERO < 0:
+        return tl.load(z_ptr + at, mask=ok, other=0.0).to(tl.float32) + BIAS
+    return tl.full(at.shape, ZERO + BIAS, tl.float32)
+
+
+@triton.jit
+def _packed_gemv_dot(
+    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, g_ptr, y_ptr,
+    M, N, stride_xm, stride_ys,
+    K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    ACT_ORDER: tl.constexpr, SUB: tl.constexpr, K_SPLIT: tl.constexpr,
+    ZERO: tl.constexpr, HAS_MIN: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Up to BLOCK_M rows: y[split] [M, N] = x[:, split's K range] @ W[:, K range]^T through
+    tl.dot, computed transposed (W's [BLOCK_N, BLOCK_K] tile, dequantized in registers, is the
+    left operand, as the MMA's register operand; x^T the right).
+
+    SUB > 0: every run of SUB columns of a tile shares one group (scales and zero points
+    loaded once per run); SUB = 0: each column's group is looked up (g_idx when ACT_ORDER,
+    else k // GROUP). ZERO < 0: zero points from z_ptr, else that constant; HAS_MIN: adds
+    m_ptr's per-group minimums (GGUF's Q4_1 / K-quants). The weight is rounded once to the
+    model dtype, as the portable path rounds."""
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * (K // PACK)
+    shifts = (tl.arange(0, PACK) * BITS)[None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for step in tl.range(0, K_SPLIT, BLOCK_K, num_stages=STAGES):
+        k0 = split * K_SPLIT + step
+        words_at = k0 // PACK + tl.arange(0, WORDS)
+        words = tl.load(w_rows + words_at[None, :],
+                        mask=col_ok[:, None] & (words_at < K // PACK)[None, :], other=0)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                    mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)  # [BM, BK]
+        codes = ((words[:, :, None] >> shifts) & ((1 << BITS) - 1)) | 0x4B000000
+        q = tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.float32, bitcast=True)  # 2^23 + code
+        w = _dequantize(q, cols, col_ok, k0, ks, s_ptr, z_ptr, m_ptr, g_ptr, K, GROUP, GROUPS,
+                        ACT_ORDER, SUB, ZERO, HAS_MIN, BLOCK_N, BLOCK_K).to(DTYPE)
+        if DTYPE == tl.float32:
+            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
+    out = y_ptr + split * stride_ys + rows[None, :] * N + cols[:, None]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[None, :] & col_ok[:, None])
+
+
+@triton.jit
+def _dequantize(q, cols, col_ok, k0, ks, s_ptr, z_ptr, m_ptr, g_ptr, K: tl.constexpr,
+                GROUP: tl.constexpr, GROUPS: tl.constexpr, ACT_ORDER: tl.constexpr,
+                SUB: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 weights [BLOCK_N, BLOCK_K] from q = 2^23 + code: (code - zero) * scale (+ min),
+    the difference exact, the product rounded once."""
+    if SUB > 0:
+        RUNS: tl.constexpr = BLOCK_K // SUB
+        starts = k0 + tl.arange(0, RUNS) * SUB
+        at = cols[:, None] * GROUPS + (starts // GROUP)[None, :]  # [BN, RUNS]
+        ok = col_ok[:, None] & (starts < K)[None, :]
+        q = tl.reshape(q, (BLOCK_N, RUNS, SUB))
+    else:
+        if ACT_ORDER:
+            group = tl.load(g_ptr + ks, mask=ks < K, other=0)
+        else:
+            group = ks // GROUP
+        at = cols[:, None] * GROUPS + group[None, :]  # [BN, BK]
+        ok = col_ok[:, None] & (ks < K)[None, :]
+    scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    offset = _zero_point(z_ptr, at, ok, ZERO, MAGIC)  # MAGIC + zero
+    if SUB > 0:
+        w = (q - offset[:, :, None]) * scale[:, :, None]
+        if HAS_MIN:
+            w += tl.load(m_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+    else:
+        w = (q - offset) * scale
+        if HAS_MIN:
+            w += tl.load(m_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return w
 
 
 @triton.jit
 def _packed_matmul(
     x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, g_ptr, y_ptr,
-    M, N, stride_xm, stride_ys,
+    M, N, stride_xm,
     K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
-    ACT_ORDER: tl.constexpr, PER_COLUMN: tl.constexpr, K_SPLIT: tl.constexpr,
+    ACT_ORDER: tl.constexpr, PER_COLUMN: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y[split] [M, N] = x[:, split's K range] @ W[:, K range]^T. PER_COLUMN: each column's
+    """y [M, N] = x @ W^T, the whole of K per program. PER_COLUMN: each column's
     group looked up (g_idx when ACT_ORDER, else k // GROUP); otherwise one group per K tile.
     ZERO < 0: per-group zero points from z_ptr, else that constant; HAS_MIN: W += m_ptr's
     per-group additive minimums (GGUF's Q4_1 / K-quants)."""
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
-    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for step in range(0, K_SPLIT, BLOCK_K):
-        k0 = split * K_SPLIT + step
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
                     mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
@@ -62,7 +303,7 @@ def _packed_matmul(
             ok = col_ok[None, :] & (ks < K)[:, None]
         else:
             at = (cols * GROUPS + k0 // GROUP)[None, :]  # [1, BLOCK_N]
-            ok = col_ok[None, :] & (k0 < K)  # a last split may run past K
+            ok = col_ok[None, :]
         scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
         if ZERO < 0:
             zero = tl.load(z_ptr + at, mask=ok, other=0.0).to(tl.float32)
@@ -76,40 +317,81 @@ def _packed_matmul(
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    out = y_ptr + split * stride_ys + rows[:, None] * N + cols[None, :]
+    out = y_ptr + rows[:, None] * N + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
 
 
 def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                   qzeros: torch.Tensor | int, groups: torch.Tensor | None, bits: int,
-                  group_size: int, mins: torch.Tensor | None = None) -> torch.Tensor:
+                  group_size: int, mins: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype; `groups` [K] int32 is the act-order
     table (None: consecutive groups of group_size columns); `qzeros` an int: one zero point
-    for every group; `mins` [N, G]: added to every dequantized weight of its group."""
+    for every group; `mins` [N, G]: added to every dequantized weight of its group. `config`
+    overrides the decode launch's (the sweep's); its FMA kernel takes one row whose K tiles
+    hold whole runs of a group, anything else runs through the tl.dot one with its tiles."""
     m, k = x.shape
     n = qweight.shape[0]
     assert qweight.shape[1] * (32 // bits) == k and x.stride(1) == 1
-    decode = m <= DECODE_ROWS
-    block_m, block_n, block_k = (16, 32, 128) if decode else (64, 64, 64)
-    num_groups = scales.shape[1]
-    if num_groups > 1 and 16 <= group_size < block_k and block_k % group_size == 0:
-        block_k = group_size  # one group per tile: a scale and a zero per column, not a gather
-    per_column = groups is not None or (num_groups > 1 and group_size % block_k != 0)
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if m > DECODE_ROWS:
+        return _prefill(x, qweight, scales, qzeros, groups, bits, group_size, mins)
+    config = config or gemv_config(bits, n, k, m, x.device)
+    block_k = max(min(config.block_k, triton.next_power_of_2(k)), 4 * (32 // bits))
+    sub = _run_length(groups, scales.shape[1], group_size, block_k)
+    dot = config.dot or m > 1 or sub == 0  # the FMA kernel: one row, groups in whole runs
+    block_n = max(config.block_n, 16) if dot else config.block_n
+    programs = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
-    splits = min(k_tiles, max(1, TARGET_PROGRAMS // programs)) if decode else 1
-    k_split = triton.cdiv(k_tiles, splits) * block_k
+    splits = config.split_k or max(1, TARGET_PROGRAMS // programs)
+    k_split = triton.cdiv(k_tiles, min(splits, k_tiles)) * block_k
     splits = triton.cdiv(k, k_split)
     y = torch.empty(splits, m, n, device=x.device,
                     dtype=x.dtype if splits == 1 else torch.float32)
     constant_zero = isinstance(qzeros, int)
-    _packed_matmul[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+    zeros = scales if constant_zero else qzeros
+    mins_or_any = scales if mins is None else mins
+    shape = dict(K=k, BITS=bits, GROUP=group_size, GROUPS=scales.shape[1], SUB=sub,
+                 K_SPLIT=k_split, ZERO=qzeros if constant_zero else -1, HAS_MIN=mins is not None,
+                 STAGES=config.stages, BLOCK_N=block_n, BLOCK_K=block_k,
+                 num_warps=config.warps)
+    if dot:
+        _packed_gemv_dot[(triton.cdiv(m, 16), programs, splits)](
+            x, qweight, scales, zeros, mins_or_any, groups if groups is not None else qweight, y,
+            m, n, x.stride(0), m * n, ACT_ORDER=groups is not None, BLOCK_M=16, **shape)
+    else:
+        _packed_gemv[(programs, splits)](x, qweight, scales, zeros, mins_or_any, y, n, n,
+                                         EVEN=k % k_split == 0, **shape)
+    return y[0] if splits == 1 else y.sum(0).to(x.dtype)
+
+
+def _run_length(groups: torch.Tensor | None, num_groups: int, group_size: int,
+                block_k: int) -> int:
+    """Columns of a K tile sharing one group (0: none guaranteed, look each column up)."""
+    if groups is not None:
+        return 0
+    if num_groups == 1 or group_size % block_k == 0:
+        return block_k
+    if block_k % group_size == 0 and group_size & (group_size - 1) == 0:
+        return group_size
+    return 0
+
+
+def _prefill(x, qweight, scales, qzeros, groups, bits, group_size, mins):
+    m, k = x.shape
+    n = qweight.shape[0]
+    block_m, block_n, block_k = 64, 64, 64
+    num_groups = scales.shape[1]
+    if num_groups > 1 and 16 <= group_size < block_k and block_k % group_size == 0:
+        block_k = group_size  # one group per tile: a scale and a zero per column, not a gather
+    per_column = groups is not None or (num_groups > 1 and group_size % block_k != 0)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    constant_zero = isinstance(qzeros, int)
+    _packed_matmul[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, qweight, scales, scales if constant_zero else qzeros,
         scales if mins is None else mins, groups if groups is not None else qweight, y,
-        m, n, x.stride(0), m * n,
+        m, n, x.stride(0),
         K=k, BITS=bits, GROUP=group_size, GROUPS=num_groups, ACT_ORDER=groups is not None,
-        PER_COLUMN=per_column, K_SPLIT=k_split,
-        ZERO=qzeros if constant_zero else -1, HAS_MIN=mins is not None,
+        PER_COLUMN=per_column, ZERO=qzeros if constant_zero else -1, HAS_MIN=mins is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
-    return y[0] if splits == 1 else y.sum(0).to(x.dtype)
+    return y

@@ -38,8 +38,8 @@ class TokenMetrics:
 def token_metrics(logits: torch.Tensor, top_k: int = METRICS_TOP_K) -> torch.Tensor:
     """logits [B, V] -> [B, NUM_METRICS] float32 on the same device: entropy, varentropy,
     top-k mass, top-1/top-2 margin. Pure tensor work, no host sync. A row with no finite logit
-    (NaN, or every token masked) gives NaN. On CUDA two Triton launches and a top-k
-    (sampling.metrics_kernel); elsewhere the PyTorch reference below."""
+    (NaN, or every token masked) gives NaN. On CUDA two Triton launches that read each logit
+    once, top-k included (sampling.metrics_kernel); elsewhere the PyTorch reference below."""
     if ops.use_triton(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         from noesis.sampling import metrics_kernel
 

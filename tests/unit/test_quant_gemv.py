@@ -1,0 +1,125 @@
+"""The decode kernel (noesis.quant.kernel._packed_gemv) under TRITON_INTERPRET=1 against a float64
+reference weight, across the launch configurations the sweep can pick: CUDA-core FMAs and
+tl.dot, splits over K, K tiles spanning several groups or part of one, odd shapes, act-order, and
+the GGUF variants (constant zero point, minimums, float16 scales). float32 and float16 inputs:
+the interpreter's bfloat16 dot is not exact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_gguf_packed import packed_rows
+from test_quant_linear import packed_layer
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+from noesis.quant import kernel  # noqa: E402
+from noesis.quant.kernel import GemvConfig  # noqa: E402
+
+# The one-row kernel sums 2^BITS * (1 + code / 2^BITS) * x and subtracts (2^BITS + zero) * sum x
+# per word: float32 rounding of those larger terms, about 1e-6 (bfloat16's is 4e-3).
+FLOAT32_ERROR = 1e-5
+CONFIGS = {
+    "fma": GemvConfig(8, 64),
+    "fma tile past groups": GemvConfig(4, 256, warps=8, stages=1),
+    "fma split": GemvConfig(16, 32, split_k=3),
+    "dot": GemvConfig(16, 64, dot=True),
+    "dot split": GemvConfig(32, 128, split_k=2, dot=True),
+}
+
+
+@pytest.fixture
+def poisoned_call(monkeypatch):
+    """packed_matmul with its output (and split partials) allocated full of NaN: an element
+    the kernel fails to write shows."""
+    empty = torch.empty
+
+    def call(x, args, config):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+            return kernel.packed_matmul(x, *args, config=config)
+
+    return call
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.double() - expected).norm() / expected.norm())
+
+
+ONE_ROW = [  # (m, n, k, bits, group size, act-order): the CUDA-core kernel's shapes
+    (1, 40, 384, 4, 128, False),  # N not a multiple of the rows per program
+    (1, 24, 256, 4, 32, False),  # several groups per tile
+    (1, 56, 96, 8, -1, False),  # int8 per channel, K not a power of two: tiles past K
+    (1, 32, 320, 8, 64, False),
+]
+DOT_ONLY = [  # shapes the dot kernel takes whatever the config
+    (1, 48, 192, 4, 64, True),  # act-order: each column's group looked up
+    (2, 16, 192, 4, 96, False),  # a group no tile divides: looked up per column
+    (3, 24, 256, 4, 32, False),
+    (16, 32, 320, 8, 64, False),
+]
+CASES = ([("fma", *shape) for shape in ONE_ROW]
+         + [("fma tile past groups", *ONE_ROW[i]) for i in (0, 3)]
+         + [("fma split", *ONE_ROW[i]) for i in (1, 2)]
+         + [("dot", *shape) for shape in DOT_ONLY + ONE_ROW[:1]]
+         + [("dot split", *DOT_ONLY[i]) for i in (0, 3)] + [("dot split", *ONE_ROW[2])])
+
+
+@pytest.mark.parametrize(("config", "m", "n", "k", "bits", "group_size", "act_order"), CASES)
+def test_gemv_equals_the_reference(poisoned_call, config, m, n, k, bits, group_size,
+                                   act_order):
+    layer, weight = packed_layer(n, k, bits, group_size, act_order, seed=m + n)
+    x = torch.randn(m, k)
+    groups = layer.g_idx[0] if layer.act_order else None
+    args = (layer.qweight, layer.scales, layer.qzeros, groups, bits, layer.group_size)
+    got = poisoned_call(x, args, CONFIGS[config])
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    assert relative_error(got, F.linear(x.double(), weight)) < FLOAT32_ERROR
+
+
+@pytest.mark.parametrize(("config", "m"), [("fma", 1), ("dot split", 4)])
+def test_float16_within_its_rounding(poisoned_call, config, m):
+    """float16 activations: within float16's rounding of the weight (the dot kernel rounds it
+    once, as the portable path does; the one-row kernel keeps it in float32)."""
+    layer, weight = packed_layer(32, 256, 4, 64, dtype=torch.float16, seed=3)
+    x = torch.randn(m, 256).half()
+    args = (layer.qweight, layer.scales, layer.qzeros, None, 4, 64)
+    got = poisoned_call(x, args, CONFIGS[config])
+    expected = F.linear(x.double(), weight.half().double())
+    assert relative_error(got, expected) < 2e-3
+
+
+@pytest.mark.parametrize(
+    ("config", "m", "qtype"),
+    [("fma", 1, "Q4_0"), ("fma", 1, "Q4_1"), ("fma", 1, "Q8_0"), ("fma", 1, "Q4_K"),
+     ("fma tile past groups", 1, "Q6_K"), ("dot split", 2, "Q4_K"), ("dot split", 2, "Q6_K")],
+)
+def test_gguf_blocks(poisoned_call, config, m, qtype):
+    """Constant zero points, minimums (Q4_1, Q4_K), float32 scales (K-quants), group 16."""
+    layer, reference = packed_rows(qtype, 24, 512, seed=4)
+    x = torch.randn(m, 512)
+    args = (layer.qweight, layer.scales, layer.layout.zero, None, layer.bits,
+            layer.layout.group, layer.mins)
+    got = poisoned_call(x, args, CONFIGS[config])
+    assert relative_error(got, F.linear(x.double(), reference.double())) < FLOAT32_ERROR
+
+
+def test_configs_come_from_the_table_per_device(tmp_path, monkeypatch):
+    """gemv_configs.json is read per GPU name and (bits, N, K, rows bucket); elsewhere, defaults."""
+    table = tmp_path / "configs.json"
+    table.write_text('{"cpu": {"4,4096,4096,1": [4, 512, 2, 8, 1, 0]}}')
+    monkeypatch.setattr(kernel, "CONFIG_FILE", table)
+    monkeypatch.setattr(kernel, "_device_name", lambda device: device.type)
+    kernel._device_configs.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert kernel.gemv_config(4, 4096, 4096, 1, cpu) == GemvConfig(4, 512, 2, 8, 1, False)
+        assert kernel.gemv_config(4, 4096, 4096, 9, cpu) == kernel.default_gemv_config(4, 9)
+        assert kernel.config_key(8, 6144, 4096, 9) == "8,6144,4096,16"
+    finally:
+        kernel._device_configs.cache_clear()
