@@ -44,6 +44,7 @@ from noesis.voice.protocols import (
     SpeechSynthesizer,
     VoiceActivityDetector,
 )
+from noesis.voice.spoken import speakable
 
 DEFAULT_QUEUE_SIZE = 4
 THREADSAFE_POLL_S = 0.05  # how often a worker thread blocked on a full queue checks for shutdown
@@ -726,7 +727,7 @@ class TtsStage(Actor):
     async def handle(self, chunk: TextChunk, ctx: Context) -> None:
         rate = self.synthesizer.sample_rate
         if chunk.text.strip():
-            samples = await self.blocking(self.synthesizer.synthesize, chunk.text)
+            samples = await self.blocking(self.synthesizer.synthesize, speakable(chunk.text))
         else:
             samples = np.zeros(0, dtype=np.float32)
         if ctx.cancelled(chunk.turn):  # barged in while synthesizing: drop it
