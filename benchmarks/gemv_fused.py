@@ -8,7 +8,7 @@ program, K tile, warps, stages); then a whole layer less its attention is timed 
 the best configs. Every figure is timed inside a CUDA graph over 4 layers' weights in turn, so
 no weight stays in L2 (timed from Python, a Triton launch costs tens of microseconds and hides
 the kernel). The final norm with the LM head (`norm_logits`) is swept too, once per step. The
-fused layer is also timed with programmatic dependent launch (`triton_kernels.PDL`).
+fused layer is also timed with programmatic dependent launch (`pdl.PDL`).
 
     python benchmarks/gemv_fused.py [--shapes llama-8b,llama-1b] [--quick] [--json out.json]
         [--save-configs row_gemv_configs.json]
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from graph_timing import graph_us  # benchmarks/ is on sys.path when run as a script
 
-from noesis.kernels import triton_kernels as tk
+from noesis.kernels import pdl, pointwise, rope, row_gemv
 
 SHAPES = {
     "llama-8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128),
@@ -71,49 +71,50 @@ class Layers:
     # the unfused kernels, as the engine runs them at batch 1 (o and down leave the residual add
     # to the next add+RMSNorm)
     def qkv_unfused(self, w, hidden=None, residual=None):
-        normed, _ = tk.add_rms_norm(self.hidden if hidden is None else hidden,
+        normed, _ = pointwise.add_rms_norm(self.hidden if hidden is None else hidden,
                                     self.residual if residual is None else residual,
                                     w["norm1"], EPS)
         qkv = F.linear(normed, w["qkv"])
         d = self.head_dim
         q, k, v = (t.view(1, -1, d) for t in qkv.split(self.split, -1))
-        tk.rope_write_kv(q, k, v, self.cos, self.sin, self.slots, self.kv[0], self.kv[1])
+        rope.rope_write_kv(q, k, v, self.cos, self.sin, self.slots, self.kv[0], self.kv[1])
         return qkv  # rotated in place
 
     def o_unfused(self, w):
-        return tk.gemv(self.attn, w["o"])
+        return row_gemv.gemv(self.attn, w["o"])
 
     def gate_up_unfused(self, w):
-        normed, _ = tk.add_rms_norm(self.hidden, self.residual, w["norm2"], EPS)
-        return tk.silu_mul(F.linear(normed, w["gate_up"]))
+        normed, _ = pointwise.add_rms_norm(self.hidden, self.residual, w["norm2"], EPS)
+        return pointwise.silu_mul(F.linear(normed, w["gate_up"]))
 
     def down_unfused(self, w):
         return F.linear(self.act, w["down"])
 
     def lm_head_unfused(self, w):
-        normed, _ = tk.add_rms_norm(self.hidden, self.residual, w["norm1"], EPS)
+        normed, _ = pointwise.add_rms_norm(self.hidden, self.residual, w["norm1"], EPS)
         return F.linear(normed, w["lm_head"]).float()
 
-    # the fused kernels; config None takes triton_kernels.ROW_GEMV_CONFIGS
+    # the fused kernels; config None takes row_gemv.ROW_GEMV_CONFIGS
     def qkv_fused(self, w, config=None, stream=None):
-        return tk.norm_qkv_rope_store(self.stream if stream is None else stream, w["norm1"], EPS,
-                                      w["qkv"], self.heads, self.kv_heads, self.cos, self.sin,
-                                      self.slots, self.kv[0], self.kv[1], config=config)
+        return row_gemv.norm_qkv_rope_store(self.stream if stream is None else stream,
+                                            w["norm1"], EPS, w["qkv"], self.heads, self.kv_heads,
+                                            self.cos, self.sin, self.slots, self.kv[0],
+                                            self.kv[1], config=config)
 
     def o_fused(self, w, config=None, stream=None):
-        return tk.gemv(self.attn, w["o"], self.residual if stream is None else stream,
+        return row_gemv.gemv(self.attn, w["o"], self.residual if stream is None else stream,
                        config=config)
 
     def gate_up_fused(self, w, config=None, stream=None):
-        return tk.norm_glu(self.stream if stream is None else stream, w["norm2"], EPS,
+        return row_gemv.norm_glu(self.stream if stream is None else stream, w["norm2"], EPS,
                            w["gate_up"], config=config)
 
     def down_fused(self, w, config=None, stream=None, act=None):
-        return tk.gemv(self.act if act is None else act, w["down"],
+        return row_gemv.gemv(self.act if act is None else act, w["down"],
                        self.residual if stream is None else stream, config=config)
 
     def lm_head_fused(self, w, config=None):
-        return tk.norm_logits(self.stream, w["norm1"], EPS, w["lm_head"], config=config)
+        return row_gemv.norm_logits(self.stream, w["norm1"], EPS, w["lm_head"], config=config)
 
     def layer(self, fused: bool, configs: dict) -> None:
         """LAYERS layers less their attention: the four projections and what surrounds them."""
@@ -126,9 +127,9 @@ class Layers:
                 stream = self.down_fused(w, configs["down"], stream, act)
             else:
                 self.qkv_unfused(w, hidden, residual)
-                normed, residual = tk.add_rms_norm(tk.gemv(self.attn, w["o"]), residual,
-                                                   w["norm2"], EPS)
-                act = tk.silu_mul(F.linear(normed, w["gate_up"]))
+                normed, residual = pointwise.add_rms_norm(row_gemv.gemv(self.attn, w["o"]),
+                                                          residual, w["norm2"], EPS)
+                act = pointwise.silu_mul(F.linear(normed, w["gate_up"]))
                 hidden = F.linear(act, w["down"])
 
 
@@ -142,7 +143,8 @@ def reference_error(layers: Layers, name: str, config) -> float:
     return float((got - want).norm() / want.norm())
 
 
-MODES = {"qkv": tk.QKV, "o": tk.PLAIN, "gate_up": tk.GLU, "down": tk.PLAIN, "lm_head": tk.PLAIN}
+MODES = {"qkv": row_gemv.QKV, "o": row_gemv.PLAIN, "gate_up": row_gemv.GLU,
+         "down": row_gemv.PLAIN, "lm_head": row_gemv.PLAIN}
 
 
 def sweep(layers: Layers, name: str, quick: bool) -> dict:
@@ -216,12 +218,12 @@ def main() -> None:
         best = {name: tuple(entry[name]["config"]) for name in ("qkv", "o", "gate_up", "down")}
         variants = {"layer_unfused_us": (False, False), "layer_fused_us": (True, False),
                     "layer_fused_pdl_us": (True, True)}
-        pdl_setting = tk.PDL
-        for key, (fused, pdl) in [*variants.items()] * 2:  # alternating, to show the noise
-            tk.PDL = pdl
+        pdl_setting = pdl.PDL
+        for key, (fused, with_pdl) in [*variants.items()] * 2:  # alternating, to show the noise
+            pdl.PDL = with_pdl
             us = graph_us(lambda f=fused, ls=layers, c=best: ls.layer(f, c), reps=5) / LAYERS
             entry.setdefault(key, []).append(us)
-        tk.PDL = pdl_setting
+        pdl.PDL = pdl_setting
         print(f"{shape} layer less attention (best configs), us: "
               + ", ".join(f"{key[6:-3]} {entry[key]}" for key in variants), flush=True)
         del layers
@@ -230,7 +232,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.save_configs:  # merged into the file when it exists (one per sweep), else the package's
-        base = Path(args.save_configs) if Path(args.save_configs).exists() else tk.CONFIG_FILE
+        base = Path(args.save_configs) if Path(args.save_configs).exists() else row_gemv.CONFIG_FILE
         table = json.loads(base.read_text())
         table.setdefault(torch.cuda.get_device_name(), {}).update(best_configs(report))
         with open(args.save_configs, "w") as f:

@@ -296,14 +296,14 @@ def main() -> None:
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     bandwidth = copy_bandwidth()
-    from noesis.kernels import ops, triton_kernels
+    from noesis.kernels import ops, pdl
 
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "versions": library_versions(),
               "copy_bandwidth_TBps": bandwidth / 1e12,
               # the batch-1 kernel paths in use (NOESIS_ONE_ROW_FUSION, NOESIS_PDL)
               "kernels": {"one_row_gemv": ops.ONE_ROW_GEMV, "one_row_fusion": ops.ONE_ROW_FUSION,
-                          "pdl": triton_kernels.PDL},
+                          "pdl": pdl.PDL},
               "shapes": {}}
     print(f"{report['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for shape in args.shapes.split(","):

@@ -9,7 +9,7 @@ replayed with events.
 `blas`: cuBLAS against cuBLASLt as torch's BLAS library. `gemv`: the one-row Triton GEMV for
 the output projection (`ops.ONE_ROW_GEMV`) on and off. `fusion`: the fused one-row decoder block
 (`ops.ONE_ROW_FUSION`, DecoderLayer.forward_one_row) on and off; only bucket 1 uses it. `pdl`:
-programmatic dependent launch (`triton_kernels.PDL`) on and off, with the fused block on.
+programmatic dependent launch (`pdl.PDL`) on and off, with the fused block on.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def settings(what: str) -> dict:
                 for name in ("cublas", "cublaslt")}
     module, flag = ops, {"gemv": "ONE_ROW_GEMV", "fusion": "ONE_ROW_FUSION"}.get(what)
     if what == "pdl":  # on the fused batch-1 path, whose kernels take it
-        from noesis.kernels import triton_kernels
+        from noesis.kernels import pdl
 
         ops.ONE_ROW_FUSION = True
-        module, flag = triton_kernels, "PDL"
+        module, flag = pdl, "PDL"
     return {f"{what} {state}": lambda on=on: setattr(module, flag, on)
             for state, on in (("on", True), ("off", False))}
 
@@ -56,7 +56,7 @@ def load_tuned(paths: str) -> None:
     """Every shape's best one-row kernel configs from gemv_fused.py, keyed by weight shape."""
     from gemv_fused import best_configs
 
-    from noesis.kernels import triton_kernels
+    from noesis.kernels import row_gemv
 
     report = {}
     for path in paths.split(","):
@@ -66,8 +66,8 @@ def load_tuned(paths: str) -> None:
         with open(path) as f:
             report |= json.load(f)
     for key, config in best_configs(report).items():
-        triton_kernels.ROW_GEMV_TUNED[tuple(map(int, key.split(",")))] = tuple(config)
-    print("tuned one-row configs:", triton_kernels.ROW_GEMV_TUNED, flush=True)
+        row_gemv.ROW_GEMV_TUNED[tuple(map(int, key.split(",")))] = tuple(config)
+    print("tuned one-row configs:", row_gemv.ROW_GEMV_TUNED, flush=True)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import json
 import torch
 from graph_timing import graph_us  # benchmarks/ is on sys.path when run as a script
 
-from noesis.kernels import triton_kernels
+from noesis.kernels import paged_decode
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 CASES = [(1, 128), (1, 384), (1, 1024), (1, 2048), (1, 4000), (8, 1024), (64, 700),
@@ -40,7 +40,7 @@ def tune_case(batch: int, ctx: int, grid) -> dict:
     kv_bytes = batch * ctx * KV_HEADS * DIM * 2 * 2
 
     def run(tuning=None):
-        return triton_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, 0.088,
+        return paged_decode.paged_decode_attention(q, kv[0], kv[1], tables, lens, 0.088,
                                                      MAX_CTX, tuning=tuning)
 
     reference = run()

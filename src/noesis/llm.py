@@ -144,7 +144,9 @@ class LLM:
             messages, tools, tool_choice, deterministic, params, response_format, constrained,
             grounded, parallel_tool_calls, thinking_budget, chat_template_kwargs, control,
         )  # fmt: skip
-        (out,) = self._run_to_completion(self._add_all([prompt], [turn]), False, cancel)
+        ids = self._add_all([prompt], [turn])
+        self.engine.show_turn(ids[0], messages, tools)  # the intent sidecar's guess
+        (out,) = self._run_to_completion(ids, False, cancel)
         parsed = self._turn_format_for_turns().parse(out.token_ids, prompt)
         return _assistant_turn(parsed, prompt, out.token_ids, out.finish_reason, out.token_metrics)
 
@@ -158,6 +160,8 @@ class LLM:
             for r in requests
         ]
         ids = self._add_all([prompt for prompt, _ in inputs], [turn for _, turn in inputs])
+        for request_id, r in zip(ids, requests, strict=True):
+            self.engine.show_turn(request_id, r.messages, r.tools)
         outputs = self._run_to_completion(ids, False, cancel)
         fmt = self._turn_format_for_turns()
         return [
@@ -186,6 +190,7 @@ class LLM:
         fmt = self._turn_format_for_turns()
         parser, parsed = fmt.stream_parser(prompt), ParsedTurn()
         request_id = self.engine.add_request(prompt, turn, delta=True)
+        self.engine.show_turn(request_id, messages, tools)
         token_ids: list[int] = []
         token_metrics: list = []
         reason, finished = None, False

@@ -27,9 +27,10 @@ def make_llm(path, **options):
 
 
 def test_triton_kernels_match_references_compiled():
-    from noesis.kernels import ops, triton_kernels
+    from noesis.kernels import ops, paged_decode, pointwise
     from noesis.runner.attention import TorchPagedAttention
     from noesis.runner.inputs import AttentionMetadata
+    from noesis.sampling import race_kernel
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     ctx = [1, 17, 300, 1030]
@@ -47,13 +48,13 @@ def test_triton_kernels_match_references_compiled():
     q = torch.randn(4, 32, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
     meta = AttentionMetadata(16, None, [], torch.arange(4, device="cuda"), tables, lens, max(ctx))
     ref = TorchPagedAttention().decode(q.float(), kv.float(), meta, 128**-0.5, None)
-    out = triton_kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, 128**-0.5, max(ctx))
+    out = paged_decode.paged_decode_attention(q, kv[0], kv[1], tables, lens, 128**-0.5, max(ctx))
     err = (out.float() - ref).norm() / ref.norm()
     assert err < 1e-2, err
     x = torch.randn(7, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
     r = torch.randn_like(x)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out, res = triton_kernels.add_rms_norm(x, r, w, 1e-5)
+    out, res = pointwise.add_rms_norm(x, r, w, 1e-5)
     x_ref = x + r
     x32 = x_ref.float()
     ref = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
@@ -62,15 +63,15 @@ def test_triton_kernels_match_references_compiled():
     gu = torch.randn(5, 2 * 14336, device="cuda", dtype=torch.bfloat16, generator=gen)
     gate, up = gu.chunk(2, -1)
     ref = torch.nn.functional.silu(gate) * up
-    assert (triton_kernels.silu_mul(gu).float() - ref.float()).abs().max() < 0.05
+    assert (pointwise.silu_mul(gu).float() - ref.float()).abs().max() < 0.05
     assert ops.use_triton(x)
     logits = torch.randn(9, 128256, device="cuda", generator=gen)
     logits[0, [5, 100000]] = 30.0  # ties across chunks: the lowest index, as torch answers
     logits[1, :128000] = float("-inf")
-    assert torch.equal(triton_kernels.greedy_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(race_kernel.greedy_argmax(logits), logits.argmax(dim=-1))
     previous = torch.tensor([7, 8, 9], device="cuda")
     ids = torch.zeros(5, dtype=torch.int64, device="cuda")
-    triton_kernels.take_pending(ids, torch.tensor([2, -1, 0, -1, 1], device="cuda"), previous)
+    pointwise.take_pending(ids, torch.tensor([2, -1, 0, -1, 1], device="cuda"), previous)
     assert ids.tolist() == [9, 0, 7, 0, 8]
 
 
@@ -78,7 +79,7 @@ def test_fused_split_merge_is_race_free():
     """The last split to finish merges the others in the same launch: over many launches of
     shapes with up to 64 splits per sequence, it must equal the two-launch merge every time
     and leave its counters zero."""
-    from noesis.kernels import triton_kernels
+    from noesis.kernels import paged_decode
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     for batch, longest in [(1, 4000), (8, 2500), (128, 1500)]:
@@ -92,11 +93,11 @@ def test_fused_split_merge_is_race_free():
         q = torch.randn(batch, 32, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
 
         args = (q, kv[0], kv[1], tables, ctx, 128**-0.5, 4096, None)
-        expected = triton_kernels.paged_decode_attention(*args, {"fused_reduce": False})
+        expected = paged_decode.paged_decode_attention(*args, {"fused_reduce": False})
         for _ in range(50):
-            out = triton_kernels.paged_decode_attention(*args, {"fused_reduce": True})
+            out = paged_decode.paged_decode_attention(*args, {"fused_reduce": True})
             assert (out.float() - expected.float()).abs().max() < 1e-2
-        assert not triton_kernels._split_counters(q.device).any()
+        assert not paged_decode._split_counters(q.device).any()
 
 
 def test_graph_replay_equals_eager(checkpoint):
@@ -224,7 +225,7 @@ def test_overlapped_steps_equal_synchronous(checkpoint, graphs):
 
 @pytest.mark.parametrize(("hidden", "head_dim"), [(4096, 128), (2048, 64)])  # 8B and 1B heads
 def test_fused_one_row_kernels_match_the_unfused_ones_compiled(hidden, head_dim):
-    from noesis.kernels import triton_kernels as tk
+    from noesis.kernels import pointwise, rope, row_gemv
 
     gen = torch.Generator(device="cuda").manual_seed(5)
 
@@ -243,20 +244,20 @@ def test_fused_one_row_kernels_match_the_unfused_ones_compiled(hidden, head_dim)
     def close(got, want, tol=1e-2):
         return float((got.float() - want.float()).norm() / want.float().norm()) < tol
 
-    got = tk.norm_qkv_rope_store(stream, norm, 1e-5, qkv_w, heads, kv_heads, cos, sin, slots,
+    got = row_gemv.norm_qkv_rope_store(stream, norm, 1e-5, qkv_w, heads, kv_heads, cos, sin, slots,
                                  kv_fused[0], kv_fused[1])
-    normed, _ = tk.add_rms_norm(stream, None, norm, 1e-5)
+    normed, _ = pointwise.add_rms_norm(stream, None, norm, 1e-5)
     want = torch.nn.functional.linear(normed, qkv_w)
     q, k, v = (t.view(1, -1, head_dim) for t in want.split(
         [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1))
-    tk.rope_write_kv(q, k, v, cos, sin, slots, kv_ref[0], kv_ref[1])
+    rope.rope_write_kv(q, k, v, cos, sin, slots, kv_ref[0], kv_ref[1])
     assert close(got, want) and close(kv_fused, kv_ref)
     gate_up, down = rand(2 * inter, hidden, scale=hidden**-0.5), rand(hidden, inter, scale=0.02)
-    act = tk.norm_glu(stream, norm, 1e-5, gate_up)
-    assert close(act, tk.silu_mul(torch.nn.functional.linear(normed, gate_up)))
-    assert close(tk.gemv(act, down, stream), torch.nn.functional.linear(act, down) + stream)
+    act = row_gemv.norm_glu(stream, norm, 1e-5, gate_up)
+    assert close(act, pointwise.silu_mul(torch.nn.functional.linear(normed, gate_up)))
+    assert close(row_gemv.gemv(act, down, stream), torch.nn.functional.linear(act, down) + stream)
     head = rand(5000, hidden, scale=hidden**-0.5)
-    logits = tk.norm_logits(stream, norm, 1e-5, head)
+    logits = row_gemv.norm_logits(stream, norm, 1e-5, head)
     assert logits.dtype == torch.float32
     assert close(logits, torch.nn.functional.linear(normed, head).float())
 
@@ -266,15 +267,15 @@ def test_fused_one_row_decoder_matches_the_unfused_one(checkpoint, monkeypatch):
     unfused blocks: same greedy tokens while the top two are apart, logprobs within bf16
     rounding."""
     from noesis import SamplingParams
-    from noesis.kernels import ops, triton_kernels
+    from noesis.kernels import ops, row_gemv
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     monkeypatch.setattr(ops, "ONE_ROW_FUSION", False)
     want = make_llm(checkpoint).generate([PROMPTS[2]], params)[0]
     monkeypatch.setattr(ops, "ONE_ROW_FUSION", True)
     launches = []
-    fused_qkv = triton_kernels.norm_qkv_rope_store
-    monkeypatch.setattr(triton_kernels, "norm_qkv_rope_store",
+    fused_qkv = row_gemv.norm_qkv_rope_store
+    monkeypatch.setattr(row_gemv, "norm_qkv_rope_store",
                         lambda *a, **k: launches.append(1) or fused_qkv(*a, **k))
     for graphs in (True, False):
         got = make_llm(checkpoint, cuda_graphs=graphs).generate([PROMPTS[2]], params)[0]
@@ -292,13 +293,13 @@ def test_programmatic_dependent_launch_changes_no_result(checkpoint, monkeypatch
     """PDL only lets a kernel launch before the one ahead of it ends; each waits for its inputs,
     so batch-1 decode on the fused path gives the same tokens and logprobs with it on."""
     from noesis import SamplingParams
-    from noesis.kernels import ops, triton_kernels
+    from noesis.kernels import ops, pdl
 
     monkeypatch.setattr(ops, "ONE_ROW_FUSION", True)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outputs = []
-    for pdl in (False, True):
-        monkeypatch.setattr(triton_kernels, "PDL", pdl)
+    for with_pdl in (False, True):
+        monkeypatch.setattr(pdl, "PDL", with_pdl)
         llm = make_llm(checkpoint)
         outputs.append([llm.generate([p], params)[0] for p in (PROMPTS[2], PROMPTS[0])])
     for a, b in zip(*outputs, strict=True):

@@ -33,7 +33,7 @@ PROMPTS = [[0, 5, 9, 77, 100, 21], list(range(30, 50))]
 )
 @pytest.mark.parametrize("batch", [1, 64])
 def test_paged_decode_extras_compiled(dtype, extras, batch):
-    from noesis.kernels import triton_kernels
+    from noesis.kernels import paged_decode
     from noesis.runner.attention import TorchPagedAttention
     from noesis.runner.inputs import AttentionMetadata
 
@@ -58,7 +58,7 @@ def test_paged_decode_extras_compiled(dtype, extras, batch):
     expected = TorchPagedAttention().decode(q, kv, meta, dim**-0.5, 128, **kwargs)
     cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     kv_gpu = kv.to("cuda", dtype)
-    out = triton_kernels.paged_decode_attention(
+    out = paged_decode.paged_decode_attention(
         q.to("cuda", dtype),
         kv_gpu[0],
         kv_gpu[1],

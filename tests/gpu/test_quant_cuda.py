@@ -120,7 +120,7 @@ def test_awq_model_greedy_equal_with_and_without_graphs(awq_checkpoint):
 
 
 def test_fp8_decode_kernel_matches_dequantized_reference_compiled():
-    from noesis.kernels import triton_kernels
+    from noesis.kernels import paged_decode
     from noesis.kv.fp8 import FP8, FP8LayerCache, scales_from_amax
     from noesis.runner.fp8_attention import FP8TorchAttention
     from noesis.runner.inputs import AttentionMetadata
@@ -142,7 +142,7 @@ def test_fp8_decode_kernel_matches_dequantized_reference_compiled():
                              ctx, int(ctx.max()))
     want = FP8TorchAttention(torch.float32).decode(q.float(), cache, meta, 128**-0.5, None)
     for fused in (False, True):  # the splits merged by a second kernel, or in the same launch
-        got = triton_kernels.paged_decode_attention(
+        got = paged_decode.paged_decode_attention(
             q, cache.data[0], cache.data[1], tables, ctx, 128**-0.5, 8704,
             tuning={"fused_reduce": fused}, kv_scales=cache.scales)
         assert rel_err(got, want) < 2e-2

@@ -9,17 +9,12 @@ import time
 import pytest
 
 from noesis import SamplingParams
-from noesis.engine.async_engine import (
-    AsyncEngine,
-    EngineProcess,
-    EngineStats,
-    EngineStepError,
-    EngineThread,
-    Outbox,
-    QueueFull,
-)
+from noesis.engine.async_engine import AsyncEngine, Outbox, QueueFull
 from noesis.engine.engine import EngineConfig
+from noesis.engine.messages import EngineStepError
 from noesis.engine.outputs import RequestOutput
+from noesis.engine.stats import EngineStats
+from noesis.engine.transport import EngineProcess, EngineThread
 from noesis.errors import InvalidRequest, ModelNotFound, PromptTooLong
 
 BAD_PROMPT = [666]

@@ -22,7 +22,7 @@ import gpu_decode  # noqa: E402
 import graph_ab  # noqa: E402
 import sampling  # noqa: E402
 
-from noesis.kernels import ops, triton_kernels  # noqa: E402
+from noesis.kernels import ops, pdl, row_gemv  # noqa: E402
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_gemv_fused_compares_each_fused_kernel_with_its_unfused_steps(tiny_layer
     for name, mode in gemv_fused.MODES.items():
         for config in [(4, 32, 4, 1), (8, 64, 4, 3)]:
             assert gemv_fused.reference_error(tiny_layers, name, config) < 1e-5, (name, config)
-        assert mode in (triton_kernels.PLAIN, triton_kernels.GLU, triton_kernels.QKV)
+        assert mode in (row_gemv.PLAIN, row_gemv.GLU, row_gemv.QKV)
     configs = dict.fromkeys(("qkv", "o", "gate_up", "down"), (4, 32, 4, 1))
     for fused in (False, True):
         tiny_layers.layer(fused, configs)  # runs the four layers both ways
@@ -53,15 +53,15 @@ def test_swept_configs_reach_the_engine_through_graph_ab(tmp_path, monkeypatch):
     assert gemv_fused.best_configs(report) == {"2,3072,2048": [4, 1024, 8, 3]}
     path = tmp_path / "fusion.json"
     path.write_text(json.dumps(report))
-    monkeypatch.setattr(triton_kernels, "ROW_GEMV_TUNED", {})
+    monkeypatch.setattr(row_gemv, "ROW_GEMV_TUNED", {})
     graph_ab.load_tuned(f"{path},{tmp_path / 'missing.json'}")  # a missing file is skipped
     weight = torch.empty(3072, 2048)
-    assert triton_kernels.row_gemv_config(triton_kernels.QKV, weight) == (4, 1024, 8, 3)
+    assert row_gemv.row_gemv_config(row_gemv.QKV, weight) == (4, 1024, 8, 3)
 
 
 @pytest.mark.parametrize(("what", "module", "flag"), [
     ("gemv", ops, "ONE_ROW_GEMV"), ("fusion", ops, "ONE_ROW_FUSION"),
-    ("pdl", triton_kernels, "PDL"),
+    ("pdl", pdl, "PDL"),
 ])
 def test_graph_ab_settings_flip_their_flag(monkeypatch, what, module, flag):
     monkeypatch.setattr(module, flag, None)

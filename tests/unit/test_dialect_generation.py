@@ -175,7 +175,7 @@ def test_the_session_loop_runs_tools_for_a_text_dialect(llms):
 def server(llms):
     from starlette.testclient import TestClient
 
-    from noesis.engine.async_engine import EngineThread
+    from noesis.engine.transport import EngineThread
     from noesis.server.app import create_app
     from noesis.server.config import ServeConfig
 
@@ -222,7 +222,7 @@ def test_the_server_splits_reasoning_and_refuses_reserved_template_kwargs(server
 
 
 def test_tools_for_a_model_without_tool_syntax_are_a_400_naming_the_fix(llms, checkpoints):
-    from noesis.engine.async_engine import EngineThread
+    from noesis.engine.transport import EngineThread
     from noesis.errors import InvalidRequest
     from noesis.server.app import ServerState
     from noesis.server.config import ServeConfig

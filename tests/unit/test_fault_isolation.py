@@ -10,17 +10,13 @@ from concurrent.futures import Future
 import pytest
 
 from noesis import SamplingParams
-from noesis.engine.async_engine import (
-    AsyncEngine,
-    EngineDead,
-    EngineLoop,
-    EngineProcess,
-    EngineStats,
-    EngineThread,
-    Report,
-)
+from noesis.engine.async_engine import AsyncEngine
 from noesis.engine.engine import MAX_LONE_FAILURES, EngineConfig, EngineFault
+from noesis.engine.loop import EngineLoop
+from noesis.engine.messages import EngineDead, Report
 from noesis.engine.outputs import RequestOutput
+from noesis.engine.stats import EngineStats
+from noesis.engine.transport import EngineProcess, EngineThread
 from noesis.structured import GrammarSpec
 from noesis.structured.matcher import GrammarError
 

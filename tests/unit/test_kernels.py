@@ -16,10 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from noesis.kernels import ops, triton_kernels  # noqa: E402
+from noesis.kernels import bitmask, ops, paged_decode, pointwise, rope, row_gemv  # noqa: E402
 from noesis.models.rope import apply_rotary  # noqa: E402
 from noesis.runner.attention import TorchPagedAttention  # noqa: E402
 from noesis.runner.inputs import AttentionMetadata  # noqa: E402
+from noesis.sampling import race_kernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,29 +72,29 @@ def test_paged_decode_attention_matches_reference(
     )
     scale = head_dim**-0.5
     expected = TorchPagedAttention().decode(q, kv, meta, scale, window)
-    out = triton_kernels.paged_decode_attention(
+    out = paged_decode.paged_decode_attention(
         q, kv[0], kv[1], tables, lens, scale, max(ctx_lens), window, {"fused_reduce": fused}
     )
     assert not out.isnan().any()
     assert rel_err(out, expected) < 1e-5
     if fused:  # the split counters are left zero for the next launch
-        assert not triton_kernels._split_counters(q.device).any()
+        assert not paged_decode._split_counters(q.device).any()
 
 
 def test_add_rms_norm_matches_reference():
     gen = torch.Generator().manual_seed(1)
     x, res = torch.randn(5, 96, generator=gen), torch.randn(5, 96, generator=gen)
     w = torch.randn(96, generator=gen)
-    out, new_res = triton_kernels.add_rms_norm(x, res, w, 1e-6)
+    out, new_res = pointwise.add_rms_norm(x, res, w, 1e-6)
     ref_out, ref_res = ops.add_rms_norm(x.clone(), res.clone(), w, 1e-6)  # CPU: torch path
     assert torch.allclose(new_res, ref_res) and rel_err(out, ref_out) < 1e-6
-    out_alone, _ = triton_kernels.add_rms_norm(x, None, w, 1e-6)
+    out_alone, _ = pointwise.add_rms_norm(x, None, w, 1e-6)
     assert rel_err(out_alone, ops.add_rms_norm(x, None, w, 1e-6)[0]) < 1e-6
 
 
 def test_silu_mul_matches_reference():
     x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2))
-    assert rel_err(triton_kernels.silu_mul(x), ops.silu_mul(x)) < 1e-6
+    assert rel_err(pointwise.silu_mul(x), ops.silu_mul(x)) < 1e-6
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
@@ -112,7 +113,7 @@ def test_rope_write_kv_matches_reference(rotary_dim):
     ref_q, ref_k = apply_rotary(ref_q, cos, sin), apply_rotary(ref_k, cos, sin)
     kv = torch.zeros(2, 4, page_size, kv_heads, head_dim)
     q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], -1))
-    triton_kernels.rope_write_kv(q, k, v, cos, sin, slots, kv[0], kv[1])
+    rope.rope_write_kv(q, k, v, cos, sin, slots, kv[0], kv[1])
     assert rel_err(q, ref_q) < 1e-6 and rel_err(k, ref_k) < 1e-6
     flat = kv.view(2, -1, kv_heads, head_dim)
     assert torch.allclose(flat[0][slots], ref_k) and torch.allclose(flat[1][slots], ref_v)
@@ -144,7 +145,7 @@ def test_exponential_race_kernel_samples_what_the_torch_sampler_samples():
             all_greedy=False,
         ),
     ).token_ids
-    got = triton_kernels.exponential_race(
+    got = race_kernel.exponential_race(
         logits.to(DEVICE), temperature.to(DEVICE), seeds.to(DEVICE), steps.to(DEVICE)
     )
     assert got.cpu().tolist() == expected.tolist()
@@ -153,7 +154,7 @@ def test_exponential_race_kernel_samples_what_the_torch_sampler_samples():
     # kernel must follow their strides, not read row i's temperature at element i.
     floats = torch.stack([temperature, torch.full_like(temperature, 0.5), temperature * 0], 1)
     ints = torch.stack([torch.zeros_like(seeds), seeds, steps], 1)
-    strided = triton_kernels.exponential_race(
+    strided = race_kernel.exponential_race(
         logits.to(DEVICE), floats[:, 0].to(DEVICE), ints[:, 1].to(DEVICE), ints[:, 2].to(DEVICE)
     )
     assert strided.cpu().tolist() == expected.tolist()
@@ -174,7 +175,7 @@ def argmax_cases(rows: int = 5, vocab: int = 3000) -> torch.Tensor:
 
 def test_greedy_argmax_kernel_matches_torch_argmax():
     logits = argmax_cases()
-    got = triton_kernels.greedy_argmax(logits.to(DEVICE))
+    got = race_kernel.greedy_argmax(logits.to(DEVICE))
     assert got.dtype == torch.int64
     assert got.cpu().tolist() == logits.argmax(dim=-1).tolist() == [700, 1030, 2993, 2999, 0]
 
@@ -187,9 +188,9 @@ def test_race_kernels_report_rows_that_cannot_give_a_token():
     logits[6, 2999] = float("inf")  # in the last, partial chunk
     usable = [True, True, True, True, False, False, False]
     for kernel in (
-        triton_kernels.greedy_argmax,
+        race_kernel.greedy_argmax,
         partial(
-            triton_kernels.exponential_race,
+            race_kernel.exponential_race,
             temperature=torch.full((7,), 0.8, device=DEVICE),
             seeds=torch.arange(7, device=DEVICE),
             steps=torch.zeros(7, dtype=torch.int64, device=DEVICE),
@@ -245,7 +246,7 @@ def test_take_pending_kernel_gathers_only_rows_with_a_source():
     fallback = ids.cpu().clone()  # ops' PyTorch path (CPU, or NOESIS_DISABLE_TRITON=1)
     ops.take_pending(fallback, sources.cpu(), previous.cpu())
     assert fallback.tolist() == want
-    triton_kernels.take_pending(ids, sources, previous)
+    pointwise.take_pending(ids, sources, previous)
     assert ids.cpu().tolist() == want
 
 
@@ -261,7 +262,7 @@ def test_bitmask_kernel_matches_the_torch_unpacking():
     logits = torch.randn(rows, vocab, generator=gen)
     bits = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)
     expected = logits.masked_fill(bits[:, :vocab] == 0, float("-inf"))
-    got = triton_kernels.apply_token_bitmask_(logits.clone().to(DEVICE), words.to(DEVICE))
+    got = bitmask.apply_token_bitmask_(logits.clone().to(DEVICE), words.to(DEVICE))
     assert torch.equal(got.cpu(), expected)
     # Views as well: the words transposed in memory, the logits every other column of a wider
     # buffer; the kernel follows their strides.
@@ -269,7 +270,7 @@ def test_bitmask_kernel_matches_the_torch_unpacking():
     wide = torch.zeros(rows, 2 * vocab, device=DEVICE)
     wide[:, ::2] = logits.to(DEVICE)
     assert not words_t.is_contiguous() and wide[:, ::2].stride(1) == 2
-    triton_kernels.apply_token_bitmask_(wide[:, ::2], words_t)
+    bitmask.apply_token_bitmask_(wide[:, ::2], words_t)
     assert torch.equal(wide[:, ::2].cpu(), expected) and not wide[:, 1::2].any()
 
 
@@ -279,9 +280,9 @@ def test_one_row_gemv_matches_linear(out_features, in_features):
     x = torch.randn(1, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
     expected = torch.nn.functional.linear(x, weight)
-    assert rel_err(triton_kernels.gemv(x, weight), expected) < 1e-6
+    assert rel_err(row_gemv.gemv(x, weight), expected) < 1e-6
     residual = torch.randn(1, out_features, generator=gen)
-    with_residual = triton_kernels.gemv(x, weight, residual)
+    with_residual = row_gemv.gemv(x, weight, residual)
     assert rel_err(with_residual, expected + residual) < 1e-6
 
 
@@ -298,13 +299,13 @@ def one_row_inputs(width, rows, seed):
 def test_norm_glu_matches_norm_linear_silu_mul(width):
     x, norm_weight, gate_up, normed = one_row_inputs(width, 2 * 72, seed=5)
     expected = ops.silu_mul(torch.nn.functional.linear(normed, gate_up))
-    got = triton_kernels.norm_glu(x, norm_weight, 1e-5, gate_up)
+    got = row_gemv.norm_glu(x, norm_weight, 1e-5, gate_up)
     assert got.shape == (1, 72) and rel_err(got, expected) < 1e-5
 
 
 def test_norm_logits_matches_norm_and_lm_head():
     x, norm_weight, head, normed = one_row_inputs(96, 300, seed=8)
-    got = triton_kernels.norm_logits(x, norm_weight, 1e-5, head)
+    got = row_gemv.norm_logits(x, norm_weight, 1e-5, head)
     assert got.dtype == torch.float32 and got.shape == (1, 300)
     assert rel_err(got, torch.nn.functional.linear(normed, head)) < 1e-5
 
@@ -324,8 +325,8 @@ def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
     q = apply_rotary(q.view(1, heads, head_dim), cos, sin)
     k = apply_rotary(k.view(1, kv_heads, head_dim), cos, sin)
     kv = torch.zeros(2, 5, page_size, kv_heads, head_dim)
-    config = rows and (rows, *triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.QKV][1:])
-    got = triton_kernels.norm_qkv_rope_store(
+    config = rows and (rows, *row_gemv.ROW_GEMV_CONFIGS[row_gemv.QKV][1:])
+    got = row_gemv.norm_qkv_rope_store(
         x,
         norm_weight,
         1e-5,
@@ -388,18 +389,18 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
     # 64 to 384) a step takes 25 programs instead of 160. Several programs per projection and
     # their row tails are the kernel tests' above.
     monkeypatch.setattr(
-        triton_kernels,
+        row_gemv,
         "ROW_GEMV_CONFIGS",
         {
-            triton_kernels.PLAIN: (128, 512, 8, 1),
-            triton_kernels.GLU: (128, 512, 8, 1),
-            triton_kernels.QKV: triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.QKV],
+            row_gemv.PLAIN: (128, 512, 8, 1),
+            row_gemv.GLU: (128, 512, 8, 1),
+            row_gemv.QKV: row_gemv.ROW_GEMV_CONFIGS[row_gemv.QKV],
         },
     )
     for name in ("norm_qkv_rope_store", "norm_logits"):
-        kernel = getattr(triton_kernels, name)
+        kernel = getattr(row_gemv, name)
         monkeypatch.setattr(
-            triton_kernels,
+            row_gemv,
             name,
             lambda *a, k=kernel, n=name, **kw: launches.append(n) or k(*a, **kw),
         )
@@ -427,42 +428,42 @@ def test_row_gemv_configs_come_from_the_per_gpu_table(tmp_path, monkeypatch):
     table.write_text(
         '{"cpu": {"0,40,96": [2, 32, 4, 1]}, "NVIDIA H200": {"0,40,96": [8, 64, 8, 3]}}'
     )
-    monkeypatch.setattr(triton_kernels, "CONFIG_FILE", table)
-    triton_kernels._device_configs.cache_clear()
+    monkeypatch.setattr(row_gemv, "CONFIG_FILE", table)
+    row_gemv._device_configs.cache_clear()
     try:
         weight = torch.randn(40, 96)
-        assert triton_kernels.row_gemv_config(triton_kernels.PLAIN, weight) == (2, 32, 4, 1)
+        assert row_gemv.row_gemv_config(row_gemv.PLAIN, weight) == (2, 32, 4, 1)
         other = torch.randn(48, 96)  # a shape the table does not hold: the mode's default
-        default = triton_kernels.ROW_GEMV_CONFIGS[triton_kernels.PLAIN]
-        assert triton_kernels.row_gemv_config(triton_kernels.PLAIN, other) == default
-        monkeypatch.setitem(triton_kernels.ROW_GEMV_TUNED, (0, 40, 96), (4, 64, 4, 1))
-        assert triton_kernels.row_gemv_config(triton_kernels.PLAIN, weight) == (4, 64, 4, 1)
+        default = row_gemv.ROW_GEMV_CONFIGS[row_gemv.PLAIN]
+        assert row_gemv.row_gemv_config(row_gemv.PLAIN, other) == default
+        monkeypatch.setitem(row_gemv.ROW_GEMV_TUNED, (0, 40, 96), (4, 64, 4, 1))
+        assert row_gemv.row_gemv_config(row_gemv.PLAIN, weight) == (4, 64, 4, 1)
         x = torch.randn(1, 96)
-        assert rel_err(triton_kernels.gemv(x, weight), x @ weight.T) < 1e-6
+        assert rel_err(row_gemv.gemv(x, weight), x @ weight.T) < 1e-6
     finally:
-        triton_kernels._device_configs.cache_clear()
+        row_gemv._device_configs.cache_clear()
 
 
 def test_the_shipped_row_gemv_config_table_is_well_formed():
     """The table ships empty until a GPU sweep fills it; whatever it holds must be usable."""
     import json
 
-    table = json.loads(triton_kernels.CONFIG_FILE.read_text())
+    table = json.loads(row_gemv.CONFIG_FILE.read_text())
     assert isinstance(table, dict)
     assert all(isinstance(configs, dict) for configs in table.values())
-    triton_kernels._device_configs.cache_clear()
-    assert isinstance(triton_kernels._device_configs(torch.device("cpu")), dict)  # reads it
+    row_gemv._device_configs.cache_clear()
+    assert isinstance(row_gemv._device_configs(torch.device("cpu")), dict)  # reads it
     for gpu, configs in table.items():
         for key, config in configs.items():
             mode, n, k = map(int, key.split(","))
             rows, block_k, warps, stages = config
-            assert mode in (triton_kernels.PLAIN, triton_kernels.GLU, triton_kernels.QKV), gpu
+            assert mode in (row_gemv.PLAIN, row_gemv.GLU, row_gemv.QKV), gpu
             assert n > 0 and k > 0 and warps in (1, 2, 4, 8, 16) and stages >= 1, (gpu, key)
             assert rows & (rows - 1) == 0 and block_k & (block_k - 1) == 0, (gpu, key)
 
 
 def test_a_triton_without_pdl_still_runs_the_kernels():
-    """Triton before 3.4 has no gdc_wait: the module imports with PDL off and its kernels run
+    """Triton before 3.4 has no gdc_wait: the modules import with PDL off and its kernels run
     (checked in a child process, whose triton is patched to lack the instructions)."""
     import subprocess
     import sys
@@ -477,10 +478,10 @@ from triton.language.extra import cuda
 old = types.ModuleType(cuda.__name__)
 old.__dict__.update({k: v for k, v in vars(cuda).items() if not k.startswith("gdc")})
 sys.modules[cuda.__name__] = extra.cuda = old
-from noesis.kernels import triton_kernels as tk
-assert not tk.PDL and not tk._GDC
+from noesis.kernels import pdl, row_gemv
+assert not pdl.PDL and not pdl.GDC
 x, w = torch.randn(1, 64), torch.randn(32, 64)
-assert torch.allclose(tk.gemv(x, w, None, config=(4, 32, 4, 1)), x @ w.T, atol=1e-4)
+assert torch.allclose(row_gemv.gemv(x, w, None, config=(4, 32, 4, 1)), x @ w.T, atol=1e-4)
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -492,8 +493,8 @@ def test_missing_triton_kernels_warn_once_and_fall_back(monkeypatch):
 
     import noesis.kernels
 
-    monkeypatch.setitem(sys.modules, "noesis.kernels.triton_kernels", None)  # import fails
-    monkeypatch.delattr(noesis.kernels, "triton_kernels")
+    monkeypatch.setitem(sys.modules, "noesis.kernels.pdl", None)  # import fails
+    monkeypatch.delattr(noesis.kernels, "pdl")
     ops._triton.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="Triton kernels unavailable"):
@@ -540,7 +541,7 @@ def test_filtered_sampling_through_the_race_kernel_picks_the_torch_paths_tokens(
     )
     expected = sampler.sample(logits.clone(), tensors).token_ids
     raced = []
-    real_race = triton_kernels.exponential_race
+    real_race = race_kernel.exponential_race
 
     def race(*args):
         raced.append(args[1])
@@ -572,7 +573,7 @@ def test_seeded_sampling_through_the_race_kernels_ignores_the_batch(checkpoints,
 
     def race(*args, **kwargs):
         raced.append(args[0].shape[0])
-        return triton_kernels.exponential_race(*args, **kwargs)
+        return race_kernel.exponential_race(*args, **kwargs)
 
     monkeypatch.setattr(
         sampler,
@@ -580,7 +581,7 @@ def test_seeded_sampling_through_the_race_kernels_ignores_the_batch(checkpoints,
         SimpleNamespace(
             use_triton=lambda x: True,
             exponential_race=race,
-            greedy_argmax=triton_kernels.greedy_argmax,
+            greedy_argmax=race_kernel.greedy_argmax,
         ),
     )
     llm = checkpoints.llm("llama")

@@ -1,5 +1,5 @@
 """Every Triton kernel, compiled for an H100/H200 (sm_90) on this CPU machine as the wrappers in
-noesis.kernels.triton_kernels launch it on the decode path.
+the kernel modules (KERNEL_MODULES) launch it on the decode path.
 
 Triton's interpreter (test_kernels.py) runs Python semantics and accepts code the compiler
 rejects (a kernel reading a non-constexpr global, for one). Here each launch is intercepted,
@@ -32,16 +32,33 @@ triton = pytest.importorskip("triton")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
+KERNEL_MODULES = (
+    "noesis.kernels.paged_decode",
+    "noesis.kernels.pointwise",
+    "noesis.kernels.row_gemv",
+    "noesis.kernels.rope",
+    "noesis.kernels.bitmask",
+    "noesis.sampling.race_kernel",
+)
+
+
+def kernel_modules() -> list:
+    import importlib
+
+    return [importlib.import_module(name) for name in KERNEL_MODULES]
+
+
 def launches() -> dict[str, tuple]:
     """(kernel, args, kwargs) of each wrapper's launches on representative decode shapes (8B
     heads), with CPU tensors: the launches are recorded, not run."""
     import torch
     from triton.runtime.jit import JITFunction
 
-    from noesis.kernels import triton_kernels as tk
+    from noesis.kernels import bitmask, paged_decode, pdl, pointwise, rope, row_gemv
+    from noesis.sampling import race_kernel
 
     recorded: list[tuple] = []
-    pdl_off = tk._pdl
+    pdl_off = pdl.pdl_launch
 
     class Recorder:
         def __init__(self, kernel: JITFunction) -> None:
@@ -50,16 +67,21 @@ def launches() -> dict[str, tuple]:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: recorded.append((self.kernel, args, kwargs))
 
-    kernels = {name: value for name, value in vars(tk).items() if isinstance(value, JITFunction)}
-    for name, kernel in kernels.items():
-        setattr(tk, name, Recorder(kernel))
+    kernels = {
+        (module, name): value
+        for module in kernel_modules()
+        for name, value in vars(module).items()
+        if isinstance(value, JITFunction)
+    }
+    for (module, name), kernel in kernels.items():
+        setattr(module, name, Recorder(kernel))
     bf16 = dict(dtype=torch.bfloat16)
     hidden, heads, kv_heads, head_dim = 4096, 32, 8, 128
     kv = torch.zeros(2, 64, 16, kv_heads, head_dim, **bf16)
     cos, sin = torch.ones(1, head_dim), torch.zeros(1, head_dim)
     x, norm = torch.zeros(1, hidden, **bf16), torch.ones(hidden, **bf16)
     calls = {
-        "paged decode, batch 1 (two launches)": lambda: tk.paged_decode_attention(
+        "paged decode, batch 1 (two launches)": lambda: paged_decode.paged_decode_attention(
             torch.zeros(1, heads, head_dim, **bf16),
             kv[0],
             kv[1],
@@ -68,7 +90,7 @@ def launches() -> dict[str, tuple]:
             0.1,
             512,
         ),
-        "paged decode, batch 64 (fused merge)": lambda: tk.paged_decode_attention(
+        "paged decode, batch 64 (fused merge)": lambda: paged_decode.paged_decode_attention(
             torch.zeros(64, heads, head_dim, **bf16),
             kv[0],
             kv[1],
@@ -77,11 +99,11 @@ def launches() -> dict[str, tuple]:
             0.1,
             512,
         ),
-        "add + RMSNorm": lambda: tk.add_rms_norm(
+        "add + RMSNorm": lambda: pointwise.add_rms_norm(
             torch.zeros(4, hidden, **bf16), torch.zeros(4, hidden, **bf16), norm, 1e-5
         ),
-        "SiLU-mul": lambda: tk.silu_mul(torch.zeros(4, 2 * 14336, **bf16)),
-        "RoPE + KV write": lambda: tk.rope_write_kv(
+        "SiLU-mul": lambda: pointwise.silu_mul(torch.zeros(4, 2 * 14336, **bf16)),
+        "RoPE + KV write": lambda: rope.rope_write_kv(
             torch.zeros(4, heads, head_dim, **bf16),
             torch.zeros(4, kv_heads, head_dim, **bf16),
             torch.zeros(4, kv_heads, head_dim, **bf16),
@@ -91,43 +113,43 @@ def launches() -> dict[str, tuple]:
             kv[0],
             kv[1],
         ),
-        "exponential race": lambda: tk.exponential_race(
+        "exponential race": lambda: race_kernel.exponential_race(
             torch.zeros(2, 128256),
             torch.ones(2),
             torch.zeros(2, dtype=torch.int64),
             torch.zeros(2, dtype=torch.int64),
         ),
-        "greedy argmax": lambda: tk.greedy_argmax(torch.zeros(2, 128256)),
-        "exponential race, reporting rows": lambda: tk.exponential_race(
+        "greedy argmax": lambda: race_kernel.greedy_argmax(torch.zeros(2, 128256)),
+        "exponential race, reporting rows": lambda: race_kernel.exponential_race(
             torch.zeros(2, 128256),
             torch.ones(2),
             torch.zeros(2, dtype=torch.int64),
             torch.zeros(2, dtype=torch.int64),
             report=True,
         ),
-        "greedy argmax, reporting rows": lambda: tk.greedy_argmax(
+        "greedy argmax, reporting rows": lambda: race_kernel.greedy_argmax(
             torch.zeros(2, 128256), report=True
         ),
-        "pending tokens": lambda: tk.take_pending(
+        "pending tokens": lambda: pointwise.take_pending(
             torch.zeros(8, dtype=torch.int64),
             torch.zeros(8, dtype=torch.int64),
             torch.zeros(8, dtype=torch.int64),
         ),
-        "grammar bitmask": lambda: tk.apply_token_bitmask_(
+        "grammar bitmask": lambda: bitmask.apply_token_bitmask_(
             torch.zeros(2, 128256), torch.zeros(2, 4008, dtype=torch.int32)
         ),
-        "one-row o_proj + residual": lambda: tk.gemv(
+        "one-row o_proj + residual": lambda: row_gemv.gemv(
             torch.zeros(1, heads * head_dim, **bf16),
             torch.zeros(hidden, heads * head_dim, **bf16),
             x,
         ),
-        "one-row down, K not a tile multiple": lambda: tk.gemv(
+        "one-row down, K not a tile multiple": lambda: row_gemv.gemv(
             torch.zeros(1, 14000, **bf16), torch.zeros(hidden, 14000, **bf16), x
         ),
-        "one-row norm + gate/up + SiLU-mul": lambda: tk.norm_glu(
+        "one-row norm + gate/up + SiLU-mul": lambda: row_gemv.norm_glu(
             x, norm, 1e-5, torch.zeros(2 * 14336, hidden, **bf16)
         ),
-        "one-row norm + qkv + RoPE + KV write": lambda: tk.norm_qkv_rope_store(
+        "one-row norm + qkv + RoPE + KV write": lambda: row_gemv.norm_qkv_rope_store(
             x,
             norm,
             1e-5,
@@ -140,28 +162,32 @@ def launches() -> dict[str, tuple]:
             kv[0],
             kv[1],
         ),
-        "one-row norm + LM head": lambda: tk.norm_logits(
+        "one-row norm + LM head": lambda: row_gemv.norm_logits(
             x, norm, 1e-5, torch.zeros(128256, hidden, **bf16)
         ),
     }
-    pdl = (
+    pdl_launches = (
         "paged decode, batch 1 (two launches)",
         "paged decode, batch 64 (fused merge)",
         "one-row norm + qkv + RoPE + KV write",
         "one-row o_proj + residual",
     )
+
+    def pdl_on(x):
+        return {"PDL": True, "launch_pdl": True}
+
     found = {}
     try:
-        for name, call in [*calls.items(), *((f"{n} with PDL", calls[n]) for n in pdl)]:
-            tk._pdl = (lambda x: {"PDL": True, "launch_pdl": True}) if "PDL" in name else pdl_off
+        for name, call in [*calls.items(), *((f"{n} with PDL", calls[n]) for n in pdl_launches)]:
+            pdl.pdl_launch = pdl_on if "PDL" in name else pdl_off
             recorded.clear()
             call()
             for i, launch in enumerate(recorded):
                 found[name if len(recorded) == 1 else f"{name} [{i}]"] = launch
     finally:  # kernels calling helpers (_mix32) find them in the module when compiled
-        for name, kernel in kernels.items():
-            setattr(tk, name, kernel)
-        tk._pdl = pdl_off
+        for (module, name), kernel in kernels.items():
+            setattr(module, name, kernel)
+        pdl.pdl_launch = pdl_off
     return found
 
 
@@ -259,9 +285,12 @@ def reports() -> dict[str, dict]:
 
 
 def test_every_kernel_compiles_for_sm90_without_spills(reports):
-    from noesis.kernels import triton_kernels as tk
-
-    kernels = {name for name, value in vars(tk).items() if hasattr(value, "arg_names")}
+    kernels = {
+        name
+        for module in kernel_modules()
+        for name, value in vars(module).items()
+        if hasattr(value, "arg_names")
+    }
     helpers = {"_mix32", "_x_tile"}  # called inside kernels, compiled with them
     assert {report["kernel"] for report in reports.values()} == kernels - helpers  # all of them
     for name, report in reports.items():

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from noesis.kernels import triton_kernels  # noqa: E402
+from noesis.kernels import paged_decode  # noqa: E402
 from noesis.runner.attention import TorchPagedAttention  # noqa: E402
 from noesis.runner.inputs import AttentionMetadata  # noqa: E402
 
@@ -51,7 +51,7 @@ def test_paged_decode_sinks_and_softcap(extras, window, fused):
     expected = TorchPagedAttention().decode(q, kv, meta, scale, window, **kwargs)
     plain = TorchPagedAttention().decode(q, kv, meta, scale, window)
     assert (expected - plain).abs().max() > 1e-2  # the extras change the result
-    out = triton_kernels.paged_decode_attention(
+    out = paged_decode.paged_decode_attention(
         q,
         kv[0],
         kv[1],
@@ -65,7 +65,7 @@ def test_paged_decode_sinks_and_softcap(extras, window, fused):
     )
     assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
     if fused:
-        assert not triton_kernels._split_counters(q.device).any()
+        assert not paged_decode._split_counters(q.device).any()
 
 
 def test_torch_sinks_match_transformers_eager():

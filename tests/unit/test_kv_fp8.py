@@ -104,7 +104,7 @@ def decode_meta(page_size, tables, ctx_lens):
 @pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "one-launch"])
 def test_triton_decode_reads_fp8_pages(fused):
     pytest.importorskip("triton")
-    from noesis.kernels import triton_kernels
+    from noesis.kernels import paged_decode
     from noesis.runner.fp8_attention import FP8TorchAttention
 
     heads, kv_heads, head_dim, page_size = 4, 2, 16, 4
@@ -114,7 +114,7 @@ def test_triton_decode_reads_fp8_pages(fused):
     q = torch.randn(len(ctx_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
     meta = decode_meta(page_size, tables, ctx_lens)
     expected = FP8TorchAttention(torch.float32).decode(q, cache, meta, 0.25, None)
-    out = triton_kernels.paged_decode_attention(
+    out = paged_decode.paged_decode_attention(
         q, cache.data[0], cache.data[1], tables, ctx_lens, 0.25, 80, None,
         {"fused_reduce": fused}, kv_scales=cache.scales,
     )

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from noesis import SamplingParams
-from noesis.engine.scheduler import Scheduler, SchedulerConfig
-from noesis.engine.sequence import FinishReason, Sequence
 from noesis.kv.allocator import PageAllocator
 from noesis.kv.prefix_cache import PrefixCache, chain_hashes
+from noesis.planner.scheduler import Scheduler, SchedulerConfig
+from noesis.planner.sequence import FinishReason, Sequence
 
 PAGE = 4
 

@@ -9,8 +9,8 @@ import pytest
 import tomllib
 
 from noesis import cli
-from noesis.engine.async_engine import EngineStats
 from noesis.engine.config import EngineConfig
+from noesis.engine.stats import EngineStats
 from noesis.errors import ConfigError, ModelNotFound
 from noesis.models_cli import list_models
 from noesis.options import options_of

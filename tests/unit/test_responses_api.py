@@ -63,7 +63,7 @@ def test_what_it_cannot_honour_names_the_field(fields, param):
 def client(checkpoints, tmp_path_factory):
     from starlette.testclient import TestClient
 
-    from noesis.engine.async_engine import EngineThread
+    from noesis.engine.transport import EngineThread
     from noesis.server.app import create_app
     from noesis.server.config import ServeConfig
 

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from noesis.engine.scheduler import Scheduler, SchedulerConfig
-from noesis.engine.sequence import FinishReason, Sequence, SequenceStatus
 from noesis.errors import OutOfKVCache
 from noesis.kv.allocator import PageAllocator
+from noesis.planner.scheduler import Scheduler, SchedulerConfig
+from noesis.planner.sequence import FinishReason, Sequence, SequenceStatus
 from noesis.sampling.params import SamplingParams
 
 EOS = 1
@@ -41,7 +41,7 @@ def run_step(sched: Scheduler, token: int = 7):
 
 def test_planner_imports_no_torch():
     code = (
-        "import sys; import noesis.engine.scheduler, noesis.kv.allocator; "
+        "import sys; import noesis.planner.scheduler, noesis.kv.allocator; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,27 +18,23 @@ from noesis.voice.messages import (
     UserTranscript,
     Utterance,
 )
-from noesis.voice.pipeline import (
-    Actor,
-    AnswerStage,
-    AsrStage,
-    AudioSource,
-    ChunkStage,
-    Link,
-    Pipeline,
-    PlayerStage,
-    PortError,
-    RouteStage,
-    TtsStage,
-    VadStage,
-    WiringError,
-)
+from noesis.voice.pipeline import Actor, Link, Pipeline, PortError, WiringError
 from noesis.voice.protocols import (
     SpeechEnded,
     SpeechPaused,
     SpeechResumed,
     SpeechStarted,
     Transcript,
+)
+from noesis.voice.stages import (
+    AnswerStage,
+    AsrStage,
+    AudioSource,
+    ChunkStage,
+    PlayerStage,
+    RouteStage,
+    TtsStage,
+    VadStage,
 )
 
 RATE = 16000

@@ -22,8 +22,6 @@ from noesis.engine.config import EngineConfig
 from noesis.engine.loading import LoadedModel, load_model
 from noesis.engine.outputs import RequestOutput
 from noesis.engine.request import RequestState
-from noesis.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from noesis.engine.sequence import FinishReason, Sequence
 from noesis.errors import (
     ConfigError,
     InvalidRequest,
@@ -36,6 +34,8 @@ from noesis.kv.cache import KVPool, page_bytes
 from noesis.kv.fp8 import cache_dtype
 from noesis.kv.prefix_cache import PrefixCache
 from noesis.models.rope import RotaryEmbedding
+from noesis.planner.scheduler import Scheduler, SchedulerConfig, StepPlan
+from noesis.planner.sequence import FinishReason, Sequence
 from noesis.runner.runner import LaunchedStep, ModelRunner
 from noesis.sampling.params import SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
@@ -461,6 +461,17 @@ class Engine:
             if result.decision == "block":
                 self.filter_request(result.request_id, result.reason)
         return outputs
+
+    def show_turn(self, request_id: str, messages: list[dict], tools: list[dict] | None) -> None:
+        """Show the sidecars an admitted turn's last user message and declared tools (the
+        intent sidecar guesses the tool it will call); never waits."""
+        if self.sidecars is None or not tools:
+            return
+        from noesis.structured.grounding import user_texts
+
+        texts = user_texts(messages)  # latest first
+        if texts:
+            self.sidecars.offer_turn(request_id, texts[0], tools)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from noesis.engine.outputs import RequestOutput
-from noesis.engine.sequence import Sequence
+from noesis.planner.sequence import Sequence
 from noesis.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ logits change with the traffic beside it. These kernels fix every reduction orde
   KV_BLOCK positions counted from position 0, in order, whatever shares the step; a token
   computes the same attention inside a prefill chunk, a one-shot prefill or a decode.
 
-RMSNorm needs nothing new: `triton_kernels.add_rms_norm` runs one program per row already.
+RMSNorm needs nothing new: `pointwise.add_rms_norm` runs one program per row already.
 Both run under Triton's interpreter on the CPU (tests/unit/test_batch_invariant.py).
 """
 

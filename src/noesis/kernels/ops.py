@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -23,18 +25,30 @@ def configure(triton: bool, one_row_fusion: bool, pdl: bool) -> None:
     TRITON, ONE_ROW_FUSION = triton, one_row_fusion
     kernels = _triton() if triton else None
     if kernels is not None:
-        kernels.PDL = kernels._GDC and pdl  # _GDC: this Triton can emit PDL
+        kernels.pdl.PDL = kernels.pdl.GDC and pdl  # GDC: this Triton can emit PDL
+
+
+@dataclass(frozen=True)
+class TritonKernels:
+    """The Triton kernel modules, by topic; their functions are looked up at each call."""
+
+    pdl: ModuleType
+    pointwise: ModuleType
+    row_gemv: ModuleType
+    bitmask: ModuleType
+    race: ModuleType
 
 
 @functools.cache
-def _triton():
+def _triton() -> TritonKernels | None:
     try:
-        from noesis.kernels import triton_kernels
+        from noesis.kernels import bitmask, pdl, pointwise, row_gemv
+        from noesis.sampling import race_kernel
     except ImportError as exc:  # asked for on CUDA tensors only, so CPU-only installs stay quiet
         warnings.warn(f"Triton kernels unavailable ({exc}); CUDA runs the PyTorch ops, slower",
                       RuntimeWarning, stacklevel=2)
         return None
-    return triton_kernels
+    return TritonKernels(pdl, pointwise, row_gemv, bitmask, race_kernel)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -45,7 +59,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); residual None normalizes x alone."""
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
-        return _triton().add_rms_norm(x, residual, weight, eps)
+        return _triton().pointwise.add_rms_norm(x, residual, weight, eps)
     if residual is not None:
         x = x + residual
     dtype = x.dtype
@@ -77,25 +91,26 @@ def one_row_fusion(x: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None):
     """x [1, K] @ weight^T (+ residual), one Triton program per few output rows."""
-    return _triton().gemv(x, weight, residual)
+    return _triton().row_gemv.gemv(x, weight, residual)
 
 
 def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor):
     """float32 logits of rms_norm(x) for one row: the final norm and the LM head in one kernel."""
-    return _triton().norm_logits(x, norm_weight, eps, weight)
+    return _triton().row_gemv.norm_logits(x, norm_weight, eps, weight)
 
 
 def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor):
     """silu(gate) * up of rms_norm(x) for one row, in one Triton kernel."""
-    return _triton().norm_glu(x, norm_weight, eps, gate_up)
+    return _triton().row_gemv.norm_glu(x, norm_weight, eps, gate_up)
 
 
 def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
                         kv_cache):
     """rms_norm(x) through the fused qkv projection, q and k rotated, k and v written to the
     paged cache [2, pages, page_size, Hkv, d] at slots[0]: one Triton kernel for one token."""
-    return _triton().norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads,
-                                         cos, sin, slots, kv_cache[0], kv_cache[1])
+    return _triton().row_gemv.norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads,
+                                                  num_kv_heads, cos, sin, slots, kv_cache[0],
+                                                  kv_cache[1])
 
 
 def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
@@ -110,26 +125,26 @@ def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Grammar mask into the logits in place, one Triton kernel (CUDA only)."""
-    return _triton().apply_token_bitmask_(logits, bitmask)
+    return _triton().bitmask.apply_token_bitmask_(logits, bitmask)
 
 
 def exponential_race(logits, temperature, seeds, steps, report: bool = False):
     """The sampler's argmax(logits / T - log E) in one Triton kernel (CUDA only); with `report`,
     (ids, reported ids) where -1 marks a row whose logits hold NaN or +inf or nothing finite."""
-    return _triton().exponential_race(logits, temperature, seeds, steps, report)
+    return _triton().race.exponential_race(logits, temperature, seeds, steps, report)
 
 
 def greedy_argmax(logits: torch.Tensor, report: bool = False):
     """Row-wise argmax of float32 logits [B, V] in two Triton launches (CUDA only); `report` as
     for exponential_race."""
-    return _triton().greedy_argmax(logits, report)
+    return _triton().race.greedy_argmax(logits, report)
 
 
 def take_pending(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
     """ids[i] = previous[sources[i]] where sources[i] >= 0, in place (int64 tensors on one
     device): the tokens a step feeds from the step before it, not read back yet."""
     if use_triton(ids):
-        _triton().take_pending(ids, sources, previous)
+        _triton().pointwise.take_pending(ids, sources, previous)
         return
     torch.where(sources >= 0, previous[sources.clamp(min=0)], ids, out=ids)
 
@@ -137,7 +152,7 @@ def take_pending(ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tenso
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [T, 2I] laid out [gate | up]."""
     if use_triton(gate_up) and gate_up.stride(-1) == 1:
-        return _triton().silu_mul(gate_up)
+        return _triton().pointwise.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from noesis.kv.allocator import PageAllocator
 
 if TYPE_CHECKING:
-    from noesis.engine.sequence import Sequence
+    from noesis.planner.sequence import Sequence
 
 ROOT_HASH = b""
 

@@ -103,9 +103,9 @@ class TritonPagedAttention(TorchPagedAttention):
     name = "triton-paged"
 
     def __init__(self, max_model_len: int) -> None:
-        from noesis.kernels import triton_kernels
+        from noesis.kernels import paged_decode, rope
 
-        self.kernels = triton_kernels
+        self.paged_decode, self.rope = paged_decode, rope
         # The kernel sizes its context splits for the longest possible context, not the
         # longest in the batch: one compiled variant, shared by graphs and eager steps.
         self.max_model_len = max_model_len
@@ -115,12 +115,12 @@ class TritonPagedAttention(TorchPagedAttention):
         torch.backends.cuda.enable_cudnn_sdp(False)
 
     def rope_and_store(self, q, k, v, cos, sin, kv_cache, meta: AttentionMetadata):
-        self.kernels.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
+        self.rope.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
         return q, k
 
     def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, window: int | None,
                sinks: torch.Tensor | None = None, softcap: float | None = None):
-        return self.kernels.paged_decode_attention(
+        return self.paged_decode.paged_decode_attention(
             q, kv_cache[0], kv_cache[1], meta.decode_pages, meta.decode_ctx_lens, scale,
             self.max_model_len, window, sinks=sinks, softcap=softcap,
         )

@@ -29,8 +29,8 @@ from noesis.runner.inputs import AttentionMetadata
 from noesis.sampling.sampler import SamplerOutput, sample
 
 if TYPE_CHECKING:
-    from noesis.engine.scheduler import StepPlan
-    from noesis.engine.sequence import Sequence
+    from noesis.planner.scheduler import StepPlan
+    from noesis.planner.sequence import Sequence
     from noesis.runner.runner import LaunchedStep, ModelRunner
 
 
@@ -112,10 +112,9 @@ class BatchInvariantAttention(TorchPagedAttention):
     def rope_and_store(self, q, k, v, cos, sin, kv_cache, meta: AttentionMetadata):
         if not ops.use_triton(q):
             return super().rope_and_store(q, k, v, cos, sin, kv_cache, meta)
-        from noesis.kernels import triton_kernels
+        from noesis.kernels import rope
 
-        triton_kernels.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, kv_cache[0],
-                                     kv_cache[1])
+        rope.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
         return q, k
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,

@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from noesis.engine.scheduler import StepPlan
 from noesis.kernels import ops
 from noesis.kv.cache import KVPool
 from noesis.models.decoder import DecoderLM
 from noesis.models.rope import RotaryEmbedding
+from noesis.planner.scheduler import StepPlan
 from noesis.runner.inputs import AttentionMetadata
 
 COLUMNS = 6  # per-row fields of the input buffer before the page tables

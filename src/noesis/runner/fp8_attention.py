@@ -61,8 +61,8 @@ class FP8TritonAttention(TritonPagedAttention):
         k_scale, v_scale = cache.scales[0], cache.scales[1]  # [Hkv, 1]
         k.div_(k_scale).clamp_(-PRE_ROTATION_LIMIT, PRE_ROTATION_LIMIT)  # in place: qkv's view
         stored_v = (v.float() / v_scale).clamp_(-FP8_MAX, FP8_MAX).to(v.dtype)
-        self.kernels.rope_write_kv(q, k, stored_v, cos, sin, meta.slot_mapping, cache.data[0],
-                                   cache.data[1])
+        self.rope.rope_write_kv(q, k, stored_v, cos, sin, meta.slot_mapping, cache.data[0],
+                                cache.data[1])
         if meta.prefills:  # fresh prefills attend over the rotated keys at their own scale
             k = (k.float() * k_scale).to(q.dtype)  # the scales are float32: not the keys' type
         return q, k
@@ -70,7 +70,7 @@ class FP8TritonAttention(TritonPagedAttention):
     def decode(self, q, cache: FP8LayerCache, meta: AttentionMetadata, scale: float,
                window: int | None, sinks: torch.Tensor | None = None,
                softcap: float | None = None):
-        return self.kernels.paged_decode_attention(
+        return self.paged_decode.paged_decode_attention(
             q, cache.data[0], cache.data[1], meta.decode_pages, meta.decode_ctx_lens, scale,
             self.max_model_len, window, sinks=sinks, softcap=softcap, kv_scales=cache.scales,
         )

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from noesis.engine.scheduler import ScheduledSeq, StepPlan
-from noesis.engine.sequence import Sequence
 from noesis.kernels import ops
 from noesis.kv.cache import KVPool
 from noesis.models.decoder import DecoderLM
 from noesis.models.rope import RotaryEmbedding
+from noesis.planner.scheduler import ScheduledSeq, StepPlan
+from noesis.planner.sequence import Sequence
 from noesis.runner import batch_invariant
 from noesis.runner.attention import TorchPagedAttention, TritonPagedAttention
 from noesis.runner.cuda_graph import CudaGraphRunner

@@ -25,16 +25,12 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from noesis.dialects import NO_TOOL_SYNTAX, TurnFormat, TurnOptions
-from noesis.engine.async_engine import (
-    AsyncEngine,
-    EngineDead,
-    EngineProcess,
-    EngineThread,
-    setup_logging,
-    warm_up,
-)
+from noesis.engine.async_engine import AsyncEngine
 from noesis.engine.engine import Engine
+from noesis.engine.loop import setup_logging, warm_up
+from noesis.engine.messages import EngineDead
 from noesis.engine.outputs import RequestOutput
+from noesis.engine.transport import EngineProcess, EngineThread
 from noesis.errors import PromptTooLong
 from noesis.sampling.params import SamplingParams
 from noesis.server.bodies import INLINE_BYTES, BodyParser

@@ -69,7 +69,8 @@ class APIError(Exception):
 def from_exception(exc: BaseException) -> APIError:
     """Map an engine-side exception to the API error a client should see."""
     # Here, not at the top: protocol.py (APIError) must import without torch (server/bodies.py).
-    from noesis.engine.async_engine import EngineDead, EngineStepError, QueueFull, RequestFailed
+    from noesis.engine.async_engine import QueueFull, RequestFailed
+    from noesis.engine.messages import EngineDead, EngineStepError
 
     if isinstance(exc, APIError):
         return exc

@@ -9,7 +9,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from noesis.engine.async_engine import AsyncEngine, EngineStats
+    from noesis.engine.async_engine import AsyncEngine
+    from noesis.engine.stats import EngineStats
 
 log = logging.getLogger("noesis.server")
 

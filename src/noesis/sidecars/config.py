@@ -5,8 +5,11 @@ SidecarRuntime in the engine's own process.
     [sidecars.safety]            # on with this table or --safety; `enabled = false` drops it
     threshold = 0.9              # p(unsafe) at which a response ends with "content_filter"
     policy = "closed"            # a failing sidecar or a dropped window blocks too
-    cadence = "tokens"           # request | clause | tokens
+    cadence = "tokens"           # request | clause | tokens | turn
     every = 8
+
+    [sidecars.intent]            # guesses each turn's tool; scores the guess at the turn's end
+    threshold = 0.5              # the router's p at which the guess is acted on
 
 Torch-free: the CLI reads and lists the configuration without loading a model.
 """
@@ -23,6 +26,8 @@ from noesis.sidecars.runtime import POLICIES, Cadence, Placement
 # Kind -> its table's defaults; a table's kind is its `kind` key, else its name.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "safety": {"model": "noesis-safety", "threshold": 0.8, "policy": "open", "cadence": "clause"},
+    # the router guesses a turn's tool; at p >= threshold it is a prediction, scored at the end
+    "intent": {"model": "noesis-router", "threshold": 0.5, "cadence": "turn"},
 }
 COMMON = {"kind": None, "enabled": True, "model": None, "cadence": "request", "every": 16,
           "device": "cpu", "workers": 1, "queue_size": 8, "policy": "open", "threshold": 0.5}
@@ -131,9 +136,10 @@ def _model_dir(name: str, model: object) -> str:
 
 
 def _build(spec: SidecarSpec):
+    from noesis.sidecars.intent import IntentSidecar
     from noesis.sidecars.safety import SafetySidecar
 
-    builders = {"safety": SafetySidecar.load}
+    builders = {"safety": SafetySidecar.load, "intent": IntentSidecar.load}
     sidecar = builders[spec.kind](spec.model, threshold=spec.threshold, policy=spec.policy,
                                   cadence=spec.cadence, placement=spec.placement)
     sidecar.name = spec.name

@@ -28,7 +28,7 @@ from noesis.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-CADENCES = ("request", "clause", "tokens")
+CADENCES = ("request", "clause", "tokens", "turn")
 POLICIES = ("open", "closed")
 CLAUSE_END = re.compile(r"[.!?;:\n]")
 # Upper bounds (seconds) of the per-sidecar latency histogram's buckets, as /metrics shows them.
@@ -51,6 +51,8 @@ class Placement:
 @dataclass(frozen=True)
 class Cadence:
     kind: str = "request"  # request: the whole text once finished; clause; tokens
+    # turn: a turn's last user message and tools as it is admitted (offer_turn), then its whole
+    # text once finished
     every: int = 16  # tokens per window (kind "tokens")
 
     def __post_init__(self) -> None:
@@ -69,6 +71,7 @@ class Window:
     context: str
     final: bool  # the request finished with this window
     start: int = 0  # where `text` begins in `context`
+    tools: tuple[dict[str, Any], ...] = ()  # a turn window's declared tools (OpenAI format)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +203,7 @@ class SidecarRuntime:
         # (sidecar, request id) -> chars and tokens of the text its windows covered
         self._cut: dict[tuple[str, str], tuple[int, int]] = {}
         self._tokens: dict[str, int] = {}
+        self._turns: set[str] = set()  # requests shown by offer_turn, not finished yet
 
     def after_step(self, outputs: list[RequestOutput]) -> list[Result]:
         """Collect the results that arrived since the last step, then offer the windows this
@@ -210,15 +214,26 @@ class SidecarRuntime:
             self._observe(out)
         return results
 
+    def offer_turn(self, request_id: str, user_text: str, tools: list[dict[str, Any]]) -> None:
+        """Offer a turn's last user message and declared tools to the "turn" sidecars as the
+        request is admitted (they also get its whole text once it finishes). Never waits."""
+        lanes = [lane for lane in self.lanes.values() if lane.sidecar.cadence.kind == "turn"]
+        if lanes:
+            self._turns.add(request_id)
+        for lane in lanes:
+            lane.offer(Window(request_id, user_text, user_text, False, tools=tuple(tools)))
+
     def _observe(self, out: RequestOutput) -> None:
         rid = out.request_id
         text = self._texts.get(rid, "") + out.text if out.delta else out.text
         tokens = self._tokens.get(rid, 0) + len(out.token_ids) if out.delta else len(out.token_ids)
         self._texts[rid], self._tokens[rid] = text, tokens
         for lane in self.lanes.values():
+            if lane.sidecar.cadence.kind == "turn" and rid not in self._turns:
+                continue
             chars, counted = self._cut.get((lane.sidecar.name, rid), (0, 0))
             end = _window_end(lane.sidecar.cadence, text, chars, tokens - counted, out.finished)
-            if end > chars or (out.finished and lane.sidecar.cadence.kind == "request"):
+            if end > chars or (out.finished and lane.sidecar.cadence.kind in ("request", "turn")):
                 lane.offer(Window(rid, text[chars:end], text, out.finished, chars))
                 self._cut[(lane.sidecar.name, rid)] = (end, tokens)
         if out.finished:
@@ -227,6 +242,7 @@ class SidecarRuntime:
     def _forget(self, request_id: str) -> None:
         self._texts.pop(request_id, None)
         self._tokens.pop(request_id, None)
+        self._turns.discard(request_id)
         for name in self.lanes:
             self._cut.pop((name, request_id), None)
 
@@ -244,7 +260,7 @@ class SidecarRuntime:
 
 def _window_end(cadence: Cadence, text: str, start: int, new_tokens: int, finished: bool) -> int:
     """Where the next window of `text` (from `start`) ends; `start` when none is due."""
-    if cadence.kind == "request":
+    if cadence.kind in ("request", "turn"):
         return len(text) if finished else start
     if finished or (cadence.kind == "tokens" and new_tokens >= cadence.every):
         return len(text)

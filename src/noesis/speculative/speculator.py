@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from noesis.engine.sequence import Sequence as Seq
-from noesis.engine.sequence import SequenceStatus
+from noesis.planner.sequence import Sequence as Seq
+from noesis.planner.sequence import SequenceStatus
 from noesis.speculative.adaptive import DepthController
 from noesis.speculative.config import SpeculativeConfig
 from noesis.speculative.proposer import NgramProposer, Proposer, StepProposals

@@ -30,12 +30,12 @@ from noesis.voice.experts import (
     warm_prefix,
 )
 from noesis.voice.messages import TurnTiming
-from noesis.voice.pipeline import (
+from noesis.voice.pipeline import Pipeline
+from noesis.voice.stages import (
     AnswerStage,
     AsrStage,
     AudioSource,
     ChunkStage,
-    Pipeline,
     PlayerStage,
     RouteStage,
     TtsStage,

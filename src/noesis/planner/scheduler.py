@@ -17,10 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from noesis.engine.sequence import FinishReason, Sequence, SequenceStatus
 from noesis.errors import OutOfKVCache
 from noesis.kv.allocator import PageAllocator
 from noesis.kv.prefix_cache import PrefixCache
+from noesis.planner.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

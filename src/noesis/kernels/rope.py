@@ -1,0 +1,78 @@
+"""Triton RoPE fused with the KV-cache write: q and k rotated, k and v stored at their slots.
+
+Compared with the torch rotation and cache write
+in tests/unit/test_kernels.py (TRITON_INTERPRET=1 on a CPU), and compiled for sm_90 in
+tests/unit/test_kernels_compile.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_write(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_kt, stride_vt, stride_cos, stride_slot, stride_cache_head,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROT_HALF: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # 0..H-1: query heads; H..H+Hkv-1: key heads
+    is_key = head >= NUM_HEADS
+    kv_head = head - NUM_HEADS
+    if is_key:
+        head_ptr = k_ptr + token * stride_kt + kv_head * HEAD_DIM
+    else:
+        head_ptr = q_ptr + token * stride_qt + head * HEAD_DIM
+    half = tl.arange(0, HALF_PAD)
+    ok = half < ROT_HALF
+    cos = tl.load(cos_ptr + token * stride_cos + half, mask=ok, other=1.0)
+    sin = tl.load(sin_ptr + token * stride_cos + half, mask=ok, other=0.0)
+    x1 = tl.load(head_ptr + half, mask=ok, other=0.0)
+    x2 = tl.load(head_ptr + ROT_HALF + half, mask=ok, other=0.0)
+    dtype = x1.dtype
+    # Eager rounds each product to the model dtype before the add; do the same.
+    r1 = (x1 * cos.to(dtype)).to(dtype) - (x2 * sin.to(dtype)).to(dtype)
+    r2 = (x2 * cos.to(dtype)).to(dtype) + (x1 * sin.to(dtype)).to(dtype)
+    tl.store(head_ptr + half, r1, mask=ok)
+    tl.store(head_ptr + ROT_HALF + half, r2, mask=ok)
+    if is_key:
+        slot = tl.load(slots_ptr + token)
+        dst = k_cache_ptr + slot * stride_slot + kv_head * stride_cache_head
+        tl.store(dst + half, r1, mask=ok)
+        tl.store(dst + ROT_HALF + half, r2, mask=ok)
+        rest = 2 * ROT_HALF + tl.arange(0, DIM_PAD)  # channels past the rotary part pass through
+        rest_ok = rest < HEAD_DIM
+        tl.store(dst + rest, tl.load(head_ptr + rest, mask=rest_ok, other=0.0), mask=rest_ok)
+        dims = tl.arange(0, DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        v_src = v_ptr + token * stride_vt + kv_head * HEAD_DIM
+        v_dst = v_cache_ptr + slot * stride_slot + kv_head * stride_cache_head
+        tl.store(v_dst + dims, tl.load(v_src + dims, mask=dim_ok, other=0.0), mask=dim_ok)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> None:
+    """Rotate q [T, H, d] and k [T, Hkv, d] in place and store k, v at cache `slots`.
+
+    Heads must be packed (stride d) inside each token row; rows may be strided (views of a fused
+    qkv). cos/sin are [T, rotary_dim] with equal halves; channels past rotary_dim pass through.
+    k_cache/v_cache are [num_pages, page_size, Hkv, d], addressed by slot = page * size + offset.
+    """
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert slots.stride(0) == 1 and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    assert q.stride(1) == head_dim and k.stride(1) == head_dim and v.stride(1) == head_dim
+    rot_half = cos.shape[1] // 2
+    _rope_write[(tokens, num_heads + num_kv_heads)](
+        q, k, v, cos, sin, slots, k_cache, v_cache,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        ROT_HALF=rot_half, HALF_PAD=triton.next_power_of_2(rot_half),
+        DIM_PAD=triton.next_power_of_2(head_dim), num_warps=1,
+    )

@@ -1,0 +1,225 @@
+"""Triton one-row projections for batch-1 decode, with their neighbours fused: RMSNorm before,
+SiLU-and-multiply or RoPE plus the KV-cache write after, the residual added.
+
+Compared with the unfused steps in tests/unit/test_kernels.py under TRITON_INTERPRET=1 on a CPU, and
+compiled for sm_90 in tests/unit/test_kernels_compile.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from noesis.kernels import pdl
+from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
+
+PLAIN, GLU, QKV = 0, 1, 2  # _row_gemv modes; a kernel reads only constexpr globals:
+_PLAIN, _GLU, _QKV = tl.constexpr(PLAIN), tl.constexpr(GLU), tl.constexpr(QKV)
+
+
+@triton.jit
+def _row_gemv(
+    x_ptr, norm_ptr, w_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    N, eps, stride_slot, stride_cache_head,
+    K: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PAIR: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y = W @ f(x) for one row x [K], ROWS output rows per program (two blocks of them, PAIR
+    rows apart, in the GLU and QKV modes), the whole of K in BLOCK_K tiles, no split-K.
+    STAGES > 1 software-pipelines the tiles through shared memory (cp.async), so that many
+    tiles are in flight per thread; 1 issues each tile's loads when its iteration starts.
+
+    NORM: f is RMSNorm with weight norm_ptr, recomputed by every program (x is a few KB, read
+    from L2). PLAIN: y = W f(x), plus res when RESIDUAL. GLU: W is [gate | up], PAIR = I
+    apart; y [I] = silu(gate) * up. QKV: W is [q heads | k heads | v heads]; a program takes
+    ROWS rows from each half of one head (PAIR = HEAD_DIM / 2), rotates q and k with cos/sin
+    [HEAD_DIM / 2], and stores k and v at the cache slot as well as in y.
+
+    Every value is rounded to the model dtype where the unfused kernels round it."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model's; y may be float32 (logits)
+    pid = tl.program_id(0)
+    if MODE == _QKV:
+        BLOCKS_PER_HEAD: tl.constexpr = HEAD_DIM // 2 // ROWS
+        head = pid // BLOCKS_PER_HEAD
+        j = (pid % BLOCKS_PER_HEAD) * ROWS + tl.arange(0, ROWS)
+        rows = head * HEAD_DIM + j
+    else:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # 64-bit: an LM head can pass 2^31 elements
+    # The first K tile of weights owes nothing to the kernel before: read it before waiting.
+    first = tl.arange(0, BLOCK_K)
+    first_ok = row_ok[:, None] & (first < K)[None, :]  # K is constexpr: loads stay vectorized
+    w_first = tl.load(w_rows + first[None, :], mask=first_ok, other=0.0)
+    w_first_pair = w_first
+    if MODE != _PLAIN:
+        w_first_pair = tl.load(w_rows + PAIR * K + first[None, :], mask=first_ok, other=0.0)
+    if PDL:
+        gdc_wait()  # x, and the residual, come from the kernel before
+    rstd = 1.0
+    if NORM:
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            squares += v * v
+        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    x_first = _x_tile(x_ptr, norm_ptr, first, K, rstd, NORM, DTYPE)[None, :]
+    acc = w_first.to(tl.float32) * x_first
+    acc_pair = w_first_pair.to(tl.float32) * x_first
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        cols = k + tl.arange(0, BLOCK_K)
+        xf = _x_tile(x_ptr, norm_ptr, cols, K, rstd, NORM, DTYPE)[None, :]
+        tile_ok = row_ok[:, None] & (cols < K)[None, :]
+        acc += tl.load(w_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xf
+        if MODE != _PLAIN:
+            acc_pair += tl.load(w_rows + PAIR * K + cols[None, :], mask=tile_ok,
+                                other=0.0).to(tl.float32) * xf
+    if PDL:
+        gdc_launch_dependents()
+    y = tl.sum(acc, 1).to(DTYPE)
+    if MODE == _PLAIN:
+        if RESIDUAL:
+            y = y + tl.load(res_ptr + rows, mask=row_ok, other=0.0)
+        tl.store(y_ptr + rows, y, mask=row_ok)
+    elif MODE == _GLU:
+        gate = y.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE)
+        tl.store(y_ptr + rows, act * tl.sum(acc_pair, 1).to(DTYPE), mask=row_ok)
+    else:
+        pair = tl.sum(acc_pair, 1).to(DTYPE)
+        first, second = y, pair
+        if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: rotate, rounding as _rope_write does
+            cos = tl.load(cos_ptr + j).to(DTYPE)
+            sin = tl.load(sin_ptr + j).to(DTYPE)
+            first = (y * cos).to(DTYPE) - (pair * sin).to(DTYPE)
+            second = (pair * cos).to(DTYPE) + (y * sin).to(DTYPE)
+        tl.store(y_ptr + rows, first)
+        tl.store(y_ptr + rows + PAIR, second)
+        if head >= NUM_HEADS:
+            slot = tl.load(slot_ptr)
+            if head < NUM_HEADS + NUM_KV_HEADS:
+                dst = k_cache_ptr + slot * stride_slot + (head - NUM_HEADS) * stride_cache_head
+            else:
+                dst = (v_cache_ptr + slot * stride_slot
+                       + (head - NUM_HEADS - NUM_KV_HEADS) * stride_cache_head)
+            tl.store(dst + j, first)
+            tl.store(dst + j + PAIR, second)
+
+
+@triton.jit
+def _x_tile(x_ptr, norm_ptr, cols, K: tl.constexpr, rstd, NORM: tl.constexpr,
+            DTYPE: tl.constexpr):
+    """The input's K tile at cols as float32: x, or rms_norm(x) * weight rounded as the norm
+    kernel rounds it."""
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    if NORM:
+        normed = (x.to(tl.float32) * rstd).to(DTYPE)
+        x = (tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+             * normed.to(tl.float32)).to(DTYPE)
+    return x.to(tl.float32)
+
+
+# (rows per program, K tile, warps, pipeline stages), looked up in order:
+# - ROW_GEMV_TUNED, per (mode, N, K): set by benchmarks (graph_ab.py --tuned);
+# - row_gemv_configs.json beside this file, per GPU name and "mode,N,K": what
+#   benchmarks/gemv_fused.py --save-configs found on that GPU, inside CUDA graphs;
+# - ROW_GEMV_CONFIGS, per mode. PLAIN's is the o_proj GEMV measured on an H200 (before STAGES
+#   existed: its loop was not pipelined, as with 1 here).
+ROW_GEMV_CONFIGS = {PLAIN: (8, 512, 8, 1), GLU: (4, 512, 8, 1), QKV: (8, 512, 8, 1)}
+ROW_GEMV_TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+CONFIG_FILE = Path(__file__).with_name("row_gemv_configs.json")
+
+
+@functools.cache
+def _device_configs(device: torch.device) -> dict[str, list[int]]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return json.loads(CONFIG_FILE.read_text()).get(name, {})
+
+
+def row_gemv_config(mode: int, weight: torch.Tensor) -> tuple[int, int, int, int]:
+    key = (mode, *weight.shape)
+    if key in ROW_GEMV_TUNED:
+        return ROW_GEMV_TUNED[key]
+    tuned = _device_configs(weight.device).get(",".join(map(str, key)))
+    return tuple(tuned) if tuned else ROW_GEMV_CONFIGS[mode]
+
+
+def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0,
+                     residual=None, pair=0, rope=None, heads=(0, 0, 0)):
+    rows, block_k, warps, stages = config or row_gemv_config(mode, weight)
+    n, k = weight.shape
+    assert x.shape == (1, k) and weight.is_contiguous()
+    assert residual is None or residual.shape == (1, n) and residual.is_contiguous()
+    x = x.contiguous()
+    cos, sin, slots, k_cache, v_cache = rope or (x, x, x, x, x)
+    _row_gemv[(programs(rows),)](
+        x, norm if norm is not None else x, weight, y,
+        residual if residual is not None else x, cos, sin, slots, k_cache, v_cache,
+        y.shape[-1], eps, k_cache.stride(0) if rope else 0, k_cache.stride(1) if rope else 0,
+        K=k, MODE=mode, NORM=norm is not None, RESIDUAL=residual is not None, ROWS=rows,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)), STAGES=stages, PAIR=pair,
+        HEAD_DIM=heads[2], NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1], num_warps=warps,
+        **pdl.pdl_launch(x),
+    )
+    return y
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+         config=None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T (+ residual [1, N]) -> [1, N], without split-K. In CUDA graphs
+    on an H200 (benchmarks/gemv_fused.py), before its first tile was peeled off the loop for
+    PDL: o_proj of Llama-3.1-8B 11.4 us against cuBLAS's 13.2, of Llama-3.2-1B 3.1 against
+    5.0."""
+    y = torch.empty(1, weight.shape[0], device=x.device, dtype=x.dtype)
+    return _launch_row_gemv(PLAIN, x, weight, y, lambda rows: triton.cdiv(y.shape[1], rows),
+                            config, residual=residual)
+
+
+def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                config=None) -> torch.Tensor:
+    """float32 logits [1, V] of rms_norm(x) for one row x [1, K] through the LM head [V, K],
+    rounded to the model dtype first as the unfused head's output is."""
+    y = torch.empty(1, weight.shape[0], device=x.device, dtype=torch.float32)
+    return _launch_row_gemv(PLAIN, x, weight, y, lambda rows: triton.cdiv(y.shape[1], rows),
+                            config, norm=norm_weight, eps=eps)
+
+
+def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+             config=None) -> torch.Tensor:
+    """silu(gate) * up of rms_norm(x) for one row x [1, K] and gate_up [2I, K] -> [1, I]."""
+    half = gate_up.shape[0] // 2
+    y = torch.empty(1, half, device=x.device, dtype=x.dtype)
+    return _launch_row_gemv(GLU, x, gate_up, y, lambda rows: triton.cdiv(half, rows), config,
+                            norm=norm_weight, eps=eps, pair=half)
+
+
+def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
+                        k_cache, v_cache, config=None) -> torch.Tensor:
+    """The fused qkv projection of rms_norm(x) for one token x [1, K], q and k rotated (cos/sin
+    [1, head_dim], equal halves), k and v stored at cache slot slots[0] (caches [pages,
+    page_size, Hkv, d]). Returns qkv [1, (H + 2 Hkv) d], rotated."""
+    heads = num_heads + 2 * num_kv_heads
+    head_dim = qkv.shape[0] // heads
+    half = head_dim // 2
+    rows, *rest = config or row_gemv_config(QKV, qkv)
+    rows = math.gcd(rows, half)  # a program's rows stay inside a half head (a power of two)
+    config = (rows, *rest)
+    assert cos.shape[-1] == head_dim and slots.numel() >= 1
+    assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1
+    assert v_cache.stride()[:2] == k_cache.stride()[:2]
+    y = torch.empty(1, qkv.shape[0], device=x.device, dtype=x.dtype)
+    return _launch_row_gemv(
+        QKV, x, qkv, y, lambda rows: heads * (half // rows), config, norm=norm_weight, eps=eps,
+        pair=half, rope=(cos, sin, slots, k_cache.view(-1, *k_cache.shape[2:]),
+                         v_cache.view(-1, *v_cache.shape[2:])),
+        heads=(num_heads, num_kv_heads, head_dim),
+    )
