@@ -21,11 +21,10 @@ import torch
 
 from noesis.distributed.layers import ParallelDecoderLM, Shard, check_shardable
 from noesis.engine.loading import LoadedModel, read_model_config, resolve_dtype
-from noesis.errors import CheckpointMismatch
 from noesis.models.config import ModelConfig
 from noesis.tokenizer import Tokenizer
 from noesis.weights.hub import resolve_model_dir
-from noesis.weights.loader import MAX_NAMES
+from noesis.weights.loader import check_tensor_names
 from noesis.weights.mapping import is_ignored, sources_for
 from noesis.weights.paging import ReadClock
 from noesis.weights.safetensors_io import checkpoint_files, iter_slices, tensor_index
@@ -138,9 +137,4 @@ def _check(plan: dict[str, list[Slice]], index: dict, config: ModelConfig) -> No
     wrong = [f"{key}: checkpoint {list(index[key][1])}, model expects {list(part.full_shape)}"
              for key, part in wanted.items()
              if key in index and index[key][1] != part.full_shape]
-    problems = [f"{what} {len(keys)} tensor(s): {', '.join(keys[:MAX_NAMES])}"
-                for what, keys in (("missing", missing), ("unexpected", unexpected),
-                                   ("mis-shaped", wrong)) if keys]
-    if problems:
-        raise CheckpointMismatch(f"checkpoint does not match {config.architecture}: "
-                                 + "; ".join(problems))
+    check_tensor_names("checkpoint", config.architecture, missing, unexpected, wrong)

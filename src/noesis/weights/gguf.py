@@ -32,6 +32,7 @@ from noesis.models.config import ModelConfig
 from noesis.quant.gguf_packed import GGUFLinear, packable
 from noesis.weights.files import regular_file_size
 from noesis.weights.gguf_quants import BLOCKS, dequantize, split_codes
+from noesis.weights.loader import check_tensor_names, name_list
 from noesis.weights.mapping import Source, sources_for
 from noesis.weights.paging import ReadClock
 
@@ -73,7 +74,6 @@ LLAMA3_FACTORS = "rope_freqs.weight"
 # Llama 3's rope is a function of factor and of the wavelength band that (original context,
 # low_freq_factor, high_freq_factor) bound; the band, not the three, is what rope_freqs fixes.
 LLAMA3_ORIGINAL_CONTEXT = 8192
-MAX_NAMES = 10
 # decoder projections whose block-quantized tensors stay packed (noesis.quant.gguf_packed)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -386,16 +386,7 @@ def _check_names(targets: dict, gguf: GGUFFile, config: ModelConfig) -> None:
     if config.tie_word_embeddings:
         ignored.add("output.weight")
     unexpected = [name for name in gguf.tensors if name not in targets and name not in ignored]
-    if not missing and not unexpected:
-        return
-    parts = []
-    if missing:
-        parts.append(f"missing {len(missing)} tensor(s): {_names(missing)}")
-    if unexpected:
-        parts.append(f"unexpected {len(unexpected)} tensor(s): {_names(unexpected)}")
-    raise CheckpointMismatch(
-        f"{gguf.path.name} does not match {config.architecture}: " + "; ".join(parts)
-    )
+    check_tensor_names(gguf.path.name, config.architecture, missing, unexpected)
 
 
 def _check_shapes(targets: dict, shapes: dict[str, tuple[int, ...]], gguf: GGUFFile) -> None:
@@ -406,7 +397,7 @@ def _check_shapes(targets: dict, shapes: dict[str, tuple[int, ...]], gguf: GGUFF
             wrong.append(f"{name}: file {list(gguf.shape(name))}, model expects {list(expected)}")
     if wrong:
         raise CheckpointMismatch(
-            f"shape mismatch in {len(wrong)} tensor(s) of {gguf.path.name}: {_names(wrong)}"
+            f"shape mismatch in {len(wrong)} tensor(s) of {gguf.path.name}: {name_list(wrong)}"
         )
 
 
@@ -420,11 +411,6 @@ def _unpermuted(tensor: torch.Tensor, name: str, config: ModelConfig, arch: str)
     rows = tensor.shape[0]
     pairs = tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:])
     return pairs.transpose(1, 2).reshape(tensor.shape)
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:MAX_NAMES])
-    return shown + (f", ... ({len(names) - MAX_NAMES} more)" if len(names) > MAX_NAMES else "")
 
 
 # ---- noesis info --------------------------------------------------------------------------------

@@ -86,16 +86,18 @@ def _targets(params: dict[str, nn.Parameter], config: ModelConfig):
 def _check_names(targets: dict, index: dict, config: ModelConfig) -> None:
     missing = [key for key in targets if key not in index]
     unexpected = [key for key in index if key not in targets and not is_ignored(key, config)]
-    if not missing and not unexpected:
-        return
-    parts = []
-    if missing:
-        parts.append(f"missing {len(missing)} tensor(s): {_names(missing)}")
-    if unexpected:
-        parts.append(f"unexpected {len(unexpected)} tensor(s): {_names(unexpected)}")
-    raise CheckpointMismatch(
-        f"checkpoint does not match {config.architecture}: " + "; ".join(parts)
-    )
+    check_tensor_names("checkpoint", config.architecture, missing, unexpected)
+
+
+def check_tensor_names(subject: str, architecture: str, missing: list[str],
+                       unexpected: list[str], misshaped: list[str] = ()) -> None:
+    """Raise CheckpointMismatch naming the missing, unexpected and mis-shaped tensors (the first
+    MAX_NAMES of each), if there are any: every loader's strict check ends here."""
+    parts = [f"{what} {len(keys)} tensor(s): {name_list(keys)}"
+             for what, keys in (("missing", missing), ("unexpected", unexpected),
+                                ("mis-shaped", misshaped)) if keys]
+    if parts:
+        raise CheckpointMismatch(f"{subject} does not match {architecture}: " + "; ".join(parts))
 
 
 def _check_shapes(targets: dict, params: dict, index: dict) -> None:
@@ -111,6 +113,6 @@ def _check_shapes(targets: dict, params: dict, index: dict) -> None:
         raise CheckpointMismatch(f"shape mismatch in {len(wrong)} tensor(s): {shown}{more}")
 
 
-def _names(keys: list[str]) -> str:
+def name_list(keys: list[str]) -> str:
     shown = ", ".join(keys[:MAX_NAMES])
     return shown + (f", ... ({len(keys) - MAX_NAMES} more)" if len(keys) > MAX_NAMES else "")
