@@ -45,10 +45,10 @@ L2_FLUSH_BYTES = 256 << 20  # weight copies per timed replay: more than this man
 # split (0: auto), warps, stages, dot); block_k = words * codes per word. One row: the
 # CUDA-core kernel, then tl.dot with W as the MMA's left operand; 16 rows: tl.dot.
 GRID = {
-    1: [(8, 64, 0, 4, 3, False), (16, 32, 0, 4, 3, False), (16, 64, 0, 4, 3, False),
-        (8, 32, 0, 4, 3, False), (4, 64, 0, 4, 3, False), (8, 64, 0, 8, 3, False),
-        (8, 64, 0, 4, 1, False), (32, 32, 0, 8, 3, False), (32, 16, 0, 4, 3, True),
-        (64, 16, 0, 4, 3, True)],
+    1: [(16, 64, 0, 2, 3, False), (16, 64, 0, 1, 3, False), (32, 32, 0, 2, 3, False),
+        (16, 32, 0, 1, 3, False), (32, 64, 0, 2, 3, False), (8, 64, 0, 1, 3, False),
+        (16, 64, 0, 2, 1, False), (8, 64, 0, 4, 3, False), (16, 32, 0, 4, 3, False),
+        (32, 32, 0, 4, 3, False), (64, 32, 0, 4, 3, False), (32, 16, 0, 4, 3, True)],
     16: [(32, 16, 0, 4, 3, True), (64, 16, 0, 4, 3, True), (16, 32, 0, 4, 3, True),
          (64, 32, 0, 8, 3, True)],
 }

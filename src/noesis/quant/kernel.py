@@ -86,7 +86,7 @@ def gemv_config(bits: int, n: int, k: int, rows: int, device: torch.device) -> G
 
 @triton.jit
 def _packed_gemv(
-    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, y_ptr, N, stride_ys,
+    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, y_ptr, N, stride_ys, field,
     K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
     SUB: tl.constexpr, K_SPLIT: tl.constexpr, EVEN: tl.constexpr, ZERO: tl.constexpr,
     HAS_MIN: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -102,7 +102,13 @@ def _packed_gemv(
     sum (code - zero) x = S sum q x - (S + zero) sum x; scale, and GGUF's minimums times
     sum x, apply per word.
     So the weight is (code - zero) * scale as float32 holds it, not rounded to the model dtype
-    as the portable path rounds it (a difference well under bfloat16's own error)."""
+    as the portable path rounds it (a difference well under bfloat16's own error).
+
+    `field` is the code's bit field once moved (field_mask(BITS)), passed at run time: as a
+    compile-time constant ptxas splits the mask-or into two LOP3s (one immediate each), as a
+    register it is one. The kernel is bound by its instruction rate, not by memory (about 9.4
+    SASS instructions per 4-bit code before, 6 with this and one warp per 8-16 rows: issue
+    rate over codes per second tracks the measured share of bandwidth)."""
     PACK: tl.constexpr = 32 // BITS
     RUNS: tl.constexpr = BLOCK_K // SUB
     WORDS_PER_RUN: tl.constexpr = SUB // PACK
@@ -130,7 +136,7 @@ def _packed_gemv(
         ok = col_ok[:, None] & (starts < K)[None, :]
         scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
         q = _unpack_in_thread(words.to(tl.uint32, bitcast=True), BITS, BLOCK_N, RUNS,
-                              WORDS_PER_RUN)  # [BN, R, W, P]
+                              WORDS_PER_RUN, field.to(tl.uint32, bitcast=True))  # [BN, R, W, P]
         sums = tl.sum(q * x[None, :, :, :], 3)  # [BN, R, W]
         word_x = tl.sum(x, 2)[None, :, :]  # [1, R, W]: each thread sums its own words' x
         offset = scale * _zero_point(z_ptr, at, ok, ZERO, (1 << BITS))
@@ -143,36 +149,41 @@ def _packed_gemv(
 
 @triton.jit
 def _unpack_in_thread(words, BITS: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                      D2: tl.constexpr):
+                      D2: tl.constexpr, field):
     """[D0, D1, D2] uint32 words -> [D0, D1, D2, 32 / BITS] floats 1 + code / 2^BITS, code i at
     index i. Built with tl.join, whose new axis stays inside each thread (a broadcast against a
     shift vector lets the compiler spread it over lanes, and sums over it become shuffles)."""
     if BITS == 4:
-        a0, a1 = _code(words, 0, BITS), _code(words, 1, BITS)
-        a2, a3 = _code(words, 2, BITS), _code(words, 3, BITS)
-        a4, a5 = _code(words, 4, BITS), _code(words, 5, BITS)
-        a6, a7 = _code(words, 6, BITS), _code(words, 7, BITS)
+        a0, a1 = _code(words, 0, BITS, field), _code(words, 1, BITS, field)
+        a2, a3 = _code(words, 2, BITS, field), _code(words, 3, BITS, field)
+        a4, a5 = _code(words, 4, BITS, field), _code(words, 5, BITS, field)
+        a6, a7 = _code(words, 6, BITS, field), _code(words, 7, BITS, field)
         # axes appended in join order: index = 4 * first + 2 * second + third
         joined = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)),
                          tl.join(tl.join(a1, a5), tl.join(a3, a7)))
         q = tl.reshape(joined, (D0, D1, D2, 8))
     else:
-        joined = tl.join(tl.join(_code(words, 0, BITS), _code(words, 2, BITS)),
-                         tl.join(_code(words, 1, BITS), _code(words, 3, BITS)))
+        joined = tl.join(tl.join(_code(words, 0, BITS, field), _code(words, 2, BITS, field)),
+                         tl.join(_code(words, 1, BITS, field), _code(words, 3, BITS, field)))
         q = tl.reshape(joined, (D0, D1, D2, 4))
     return q
 
 
 @triton.jit
-def _code(words, i: tl.constexpr, BITS: tl.constexpr):
-    """Code i of each uint32 word moved to the top of a float's mantissa: 1 + code / 2^BITS."""
+def _code(words, i: tl.constexpr, BITS: tl.constexpr, field):
+    """Code i of each uint32 word moved to the top of a float's mantissa: 1 + code / 2^BITS.
+    `field`: field_mask(BITS)."""
     SHIFT: tl.constexpr = 23 - BITS - BITS * i
-    FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)
     if SHIFT >= 0:
         moved = words << SHIFT
     else:
         moved = words >> -SHIFT
-    return ((moved & FIELD) | 0x3F800000).to(tl.float32, bitcast=True)
+    return ((moved & field) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+def field_mask(bits: int) -> int:
+    """A code's bits at the top of a float32 mantissa (bits 22 down), as _code leaves them."""
+    return ((1 << bits) - 1) << (23 - bits)
 
 
 @triton.jit
@@ -360,7 +371,7 @@ def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             m, n, x.stride(0), m * n, ACT_ORDER=groups is not None, BLOCK_M=16, **shape)
     else:
         _packed_gemv[(programs, splits)](x, qweight, scales, zeros, mins_or_any, y, n, n,
-                                         EVEN=k % k_split == 0, **shape)
+                                         field_mask(bits), EVEN=k % k_split == 0, **shape)
     return y[0] if splits == 1 else y.sum(0).to(x.dtype)
 
 
