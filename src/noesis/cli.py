@@ -696,8 +696,7 @@ def _speculative_line(spec: dict) -> str:
         f"\nspeculative decoding ({spec['method']}, k={spec['k']}): acceptance "
         f"{'-' if rate is None else f'{100 * rate:.1f}%'} ({spec['accepted']}/{spec['proposed']} "
         f"proposed tokens), {'-' if per_verify is None else f'{per_verify:.2f}'} tokens per "
-        f"verify row over {spec['verify_rows']} rows; requests excluded: "
-        f"{spec['excluded_grammar']} with a grammar, {spec['excluded_logprobs']} with logprobs"
+        f"verify row over {spec['verify_rows']} rows"
     )
 
 

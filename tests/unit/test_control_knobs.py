@@ -217,3 +217,68 @@ def test_an_llm_turn_opts_out_with_a_keyword(checkpoints):
     _, left = llm._turn_inputs(messages, None, "auto", False, SAMPLED, control=False)
     assert steered.control is True and left.control is False
     assert llm.engine.control.knobs(steered) is not None and llm.engine.control.knobs(left) is None
+
+
+# ---------------------------------------------------------------- the vectorized step
+
+
+def reference_knobs(policy, state, params: SamplingParams, phi) -> tuple[float, float]:
+    """The per-row reference: TokenKnobs' rule on the Φ `policy.next_phi` returned."""
+    base = state.phi.base
+
+    def ratio(now, start):
+        return min(1.0, now / start) if start > 0 else 1.0
+
+    top_p = params.top_p * ratio(phi.top_p, base.top_p) if params.top_p < 1.0 else params.top_p
+    return params.temperature * ratio(phi.temperature, base.temperature), top_p
+
+
+def test_a_step_of_many_rows_moves_exactly_as_the_per_row_reference():
+    import numpy as np
+
+    from noesis.control.knobs import observe_rows
+    from noesis.control.phi import PhiConfig
+
+    rng = np.random.default_rng(7)
+    rows, steps = 48, 160
+    policies = [DefaultPolicy(), DefaultPolicy(PhiConfig(hysteresis=3, clamp=0.07)),
+                DefaultPolicy(PhiConfig(hysteresis=5, band=0.1)), NullPolicy()]  # fmt: skip
+    knobs, reference = [], []
+    for row in range(rows):
+        policy = policies[row % len(policies)]
+        params = SamplingParams(temperature=0.3 + row % 5 * 0.2, top_p=(0.9, 1.0)[row % 2])
+        k = TokenControl(policy).knobs(params)
+        if row % 7 == 0:  # a conversation's state from earlier generations (TurnControl)
+            k.state.belief.observe_call()
+        knobs.append(k)
+        ref_state = TokenControl(policy).knobs(params).state
+        ref_state.belief.phase = k.state.belief.phase
+        reference.append((policy, ref_state, params))
+    # Calm, then bursts of uncertainty per row; NaN (no metrics) and broken rows sprinkled in.
+    level = rng.uniform(0.05, 3.0, size=(rows, 1)) * (1 + (np.arange(steps) // 25 % 2) * 2)
+    metrics = np.stack([level + rng.normal(0, 0.2, (rows, steps)),
+                        rng.uniform(0, 1, (rows, steps)), rng.uniform(0.5, 1, (rows, steps)),
+                        rng.uniform(0, 1, (rows, steps))], axis=-1)  # fmt: skip
+    metrics[rng.random((rows, steps)) < 0.02, 0] = np.nan  # from_row: no metrics at all
+    metrics[rng.random((rows, steps)) < 0.02, 3] = np.inf  # phi._usable: fail soft
+    moved = 0
+    for step in range(steps):
+        active = [row for row in range(rows) if (row + step) % 11]  # rows skip a step at times
+        if step % 40 == 39:  # a step of few rows: one at a time, from the objects, then back
+            active = active[:3]
+        observe_rows([knobs[row] for row in active], metrics[active, step])
+        for row in active:
+            policy, state, params = reference[row]
+            phi = policy.next_phi(state, TokenMetrics.from_row(metrics[row, step].tolist()))
+            expected = reference_knobs(policy, state, params, phi)
+            assert (knobs[row].temperature, knobs[row].top_p) == expected, (row, step)
+            moved += expected[0] != params.temperature
+        if step == steps // 2:  # read back mid-generation (a report): the next step re-leases
+            assert knobs[3].state.belief.tokens == reference[3][1].belief.tokens
+    assert moved > rows  # the stream did move the knobs, and fail softs happened
+    for k, (_, state, _) in zip(knobs, reference, strict=True):
+        mine = k.state
+        assert mine.belief == state.belief and mine.phi.fail_softs == state.phi.fail_softs
+        assert (mine.phi.phi, mine.phi.direction, mine.phi.streak) == (
+            state.phi.phi, state.phi.direction, state.phi.streak)  # fmt: skip
+    assert sum(k.state.phi.fail_softs for k in knobs) > 0

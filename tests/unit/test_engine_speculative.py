@@ -1,7 +1,8 @@
 """Speculative decoding in the engine: greedy output token-identical with and without it (n-gram
 and draft proposers, batch 1 and mixed batches with stops, penalties and sampled rows), sampled
 output on the target's distribution, rollback of rejected proposals' pages, preemption, prefix
-caching, overlapped steps, fault isolation and the rows kept out of speculation."""
+caching, overlapped steps, fault isolation, and rows with logprobs or a grammar (more in
+test_speculative_rows.py)."""
 
 from __future__ import annotations
 
@@ -187,22 +188,19 @@ def test_overlapped_steps_with_speculation(checkpoints, plain):
     assert_idle(llm)
 
 
-def test_rows_with_logprobs_or_a_grammar_are_excluded_and_unchanged(plain, speculating):
+def test_rows_with_logprobs_or_a_grammar_speculate_and_are_unchanged(plain, speculating):
     grammar = GrammarSpec.regex(r"[a-z ]+")
     params = [greedy(logprobs=2), greedy(), greedy(max_tokens=6, grammar=grammar)]
     prompts = [BATCH[2], BATCH[3], BATCH[0]]
     expected = plain.generate(prompts, params)
-    before = speculating.engine.spec_counts
     got = speculating.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    # The batch around it changed (a verify row of several tokens): float32 rounding only.
+    # Verify forwards several tokens per row, a plain step one: float32 rounding only.
     for mine, theirs in zip(got[0].logprobs, expected[0].logprobs, strict=True):
         assert mine.keys() == theirs.keys()
-        assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
-    assert got[0].spec_proposed == got[2].spec_proposed == 0
-    counts = speculating.engine.spec_counts
-    assert counts["excluded_logprobs"] == before["excluded_logprobs"] + 1
-    assert counts["excluded_grammar"] == before["excluded_grammar"] + 1
+        assert all(abs(mine[t] - theirs[t]) < 1e-5 for t in mine)
+    assert got[0].spec_proposed > 0
+    assert not any(key.startswith("excluded") for key in speculating.engine.spec_counts)
 
 
 def test_a_failure_of_one_speculating_request_ends_it_alone(checkpoints, plain, monkeypatch):

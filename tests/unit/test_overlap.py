@@ -136,10 +136,11 @@ def test_preemption_and_prefix_cache_with_overlap(checkpoints):
     assert_idle(cached)
 
 
-def test_constrained_requests_wait_for_their_tokens():
-    """A grammar needs each sampled token on the host before the next mask: such steps are not
-    overlapped, and the results equal the synchronous engine's (the bundled model, whose
-    tokenizer the grammar compiler reads)."""
+def test_constrained_steps_read_back_inside_the_next_launch():
+    """A grammar needs each sampled token on the host before the next mask, but only the
+    sampler waits for the mask: the next step's forward is queued first, then the step in
+    flight is read back (its matchers advanced) and the masks filled. Results equal the
+    synchronous engine's (the bundled model, whose tokenizer the grammar compiler reads)."""
     from test_engine_structured import BUNDLED, SCHEMAS
 
     from noesis import LLM
@@ -148,16 +149,28 @@ def test_constrained_requests_wait_for_their_tokens():
     def run(overlap):
         llm = LLM(str(BUNDLED), device="cpu", dtype="float32", progress=False,
                   overlap_steps=overlap)
+        read_backs = []
+        real = llm.engine.runner.launch
+
+        def spy(plan, previous, read_back=None):
+            read_backs.append(read_back is not None)
+            return real(plan, previous, read_back)
+
+        llm.engine.runner.launch = spy
         prompt = llm.tokenizer.encode("Give me data:", add_special_tokens=False)
         params = [SamplingParams(seed=11 + i, temperature=1.0, max_tokens=40,
                                  grammar=GrammarSpec.json_schema(schema, compact=True))
                   for i, schema in enumerate(SCHEMAS)]
         params.append(greedy_params(max_tokens=20))
         outputs = llm.generate([prompt] * len(params), params)
+        while llm.engine.has_unfinished():  # a grammar completed while its next step ran
+            assert llm.engine.step() == []
         assert_idle(llm)
-        return outputs
+        return outputs, sum(read_backs)
 
-    same_outputs(run(True), run(False))
+    (overlapped, read_backs), (synchronous, none) = run(True), run(False)
+    same_outputs(overlapped, synchronous)
+    assert read_backs >= 10 and none == 0
 
 
 def test_a_failed_launch_loses_nothing_else(checkpoints, overlapped, monkeypatch):

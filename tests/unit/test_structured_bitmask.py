@@ -130,6 +130,29 @@ def test_mask_filler_matches_per_matcher_fill(compiler, tokenizer):
         filler.close()
 
 
+def test_mask_filler_fills_on_the_calling_thread_too(compiler, tokenizer):
+    """fill() (the path once the previous step is read back) gives start() + result()'s mask,
+    alternates the same buffers, and refuses to run between a start and its result."""
+    matchers = matchers_at_various_states(compiler, tokenizer)
+    rows = [None, matchers[2], matchers[0], None, matchers[3]]
+    filler = MaskFiller(VOCAB, max_batch_size=8)
+    try:
+        filler.start(rows)
+        expected = filler.result("cpu").clone()
+        first, second = filler.fill(rows, "cpu"), filler.fill(rows, "cpu")
+        assert torch.equal(first, expected) and torch.equal(second, expected)
+        assert first.data_ptr() != second.data_ptr()  # the other buffer: a copy may be in flight
+        assert filler.fill([None, None], "cpu") is None
+        filler.start(rows)
+        with pytest.raises(RuntimeError, match="between start"):
+            filler.fill(rows, "cpu")
+        filler.result("cpu")
+        with pytest.raises(ValueError, match="exceeds"):
+            filler.fill([None] * 9, "cpu")
+    finally:
+        filler.close()
+
+
 class OnlyToken:
     """A GrammarMatcher that is not llguidance's: allows one token id, forever."""
 

@@ -14,9 +14,10 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from noesis.control.knobs import TokenControl
+from noesis.control.knobs import TokenControl, observe_rows
 from noesis.control.policy import make_policy
 from noesis.engine.config import EngineConfig
 from noesis.engine.loading import LoadedModel, load_model
@@ -37,6 +38,7 @@ from noesis.models.rope import RotaryEmbedding
 from noesis.planner.scheduler import Scheduler, SchedulerConfig, StepPlan
 from noesis.planner.sequence import FinishReason, Sequence
 from noesis.runner.runner import LaunchedStep, ModelRunner
+from noesis.sampling.metrics import NUM_METRICS
 from noesis.sampling.params import SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
 
@@ -223,8 +225,8 @@ class Engine:
 
     @property
     def spec_counts(self) -> dict[str, int]:
-        """Speculative decoding's counters (verify rows, proposed and accepted tokens, requests
-        excluded by reason); empty when it is off."""
+        """Speculative decoding's counters (verify rows, proposed and accepted tokens); empty
+        when it is off."""
         return dict(self.speculator.counts) if self.speculator is not None else {}
 
     def _num_pages(self) -> int:
@@ -491,26 +493,37 @@ class Engine:
         plan = self.scheduler.schedule(num_drafts)
         if proposals is not None and any(item.num_draft for item in plan.scheduled):
             plan.proposals = proposals
-        launched = None
+        launched, read_back = None, _ReadBack(self, previous, plan)
         if plan:
             try:
-                launched = self._launch(plan, previous)
+                launched = self._launch(plan, previous, read_back.hook)
             except EngineFault:  # no request explains it (a tensor-parallel rank died)
                 raise
             except Exception as exc:
-                return outputs + self._isolate(plan, previous, exc)
+                if read_back.failed:  # the previous step's read-back raised, not this step
+                    raise
+                if read_back.outputs is None:
+                    return outputs + self._isolate(plan, previous, exc)
+                return outputs + read_back.outputs + self._isolate(plan, None, exc)
             self._lone_failures = 0
             self.scheduler.advance(plan)
         # Held before the previous step is completed: should that fail, this one is not lost.
         self._inflight = launched if self.overlap else None
-        if previous is not None:
+        if read_back.outputs is not None:
+            outputs += read_back.outputs
+        elif previous is not None:
             outputs += self._complete(previous)
         if launched is not None and not self.overlap:
             outputs += self._complete(launched)
         return outputs + self._take_ended()
 
-    def _launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
-        launched = self.runner.launch(plan, previous)
+    def _launch(
+        self, plan: StepPlan, previous: LaunchedStep | None, read_back=None
+    ) -> LaunchedStep:
+        if read_back is None:
+            launched = self.runner.launch(plan, previous)
+        else:
+            launched = self.runner.launch(plan, previous, read_back=read_back)
         if self.observer is not None:
             self.observer.launched(launched)
         return launched
@@ -535,8 +548,13 @@ class Engine:
                        len(plan.scheduled), error)
         self.fault_counts["isolated_steps"] += 1
         self._inflight = None
+        read = []
+        if previous is not None and _ReadBack(self, previous, plan).hook is not None:
+            read, previous = self._complete(previous), None  # the grammars need its tokens
         launched, culprits = [], []
         for item in plan.scheduled:
+            if item.seq.finished:  # by the step just read back: nothing left to run
+                continue
             try:
                 alone = StepPlan([item], proposals=plan.proposals)
                 launched.append(self._launch(alone, previous))
@@ -549,7 +567,7 @@ class Engine:
             raise EngineFault(message) from error
         for one in launched:
             self.scheduler.advance(one.plan)
-        outputs = self._complete(previous) if previous is not None else []
+        outputs = read + (self._complete(previous) if previous is not None else [])
         for seq, exc in culprits:  # after `previous`: their outputs keep its tokens
             self.fail_request(seq.request_id, f"the engine step failed on this request: {exc!r}")
         for one in launched:
@@ -600,7 +618,9 @@ class Engine:
         if previous.spec_width:
             return False
         spec = self.speculator
-        return not any(seq.matcher is not None or seq.params.needs_penalties
+        # A grammar's next mask needs the token too, but only the sampler waits for the mask:
+        # the runner reads `previous` back after queueing the forward (see _ReadBack).
+        return not any(seq.params.needs_penalties
                        or (spec is not None and spec.wants(seq))
                        for seq in previous.seqs if not seq.finished)
 
@@ -614,18 +634,21 @@ class Engine:
         if observer is not None:
             lengths = {seq.seq_id: len(seq.token_ids) for seq in launched.seqs}
         self._drop_unusable_rows(launched, sampled)
+        chained = self._advance_grammar_chains(launched, sampled)
         accepted = {sid: tok.accepted for sid, tok in sampled.items() if tok.accepted}
         took = self.scheduler.resolve(
             plan, {sid: tok.token_id for sid, tok in sampled.items()}, accepted
         )
         self._book_speculation(launched, sampled)
-        self._advance_grammars(plan, sampled)
+        self._advance_grammars(plan, sampled, chained)
         _steer(launched, sampled)
         requests = self._requests
         advanced = [requests[seq.request_id] for seq in took if seq.request_id in requests]
         for state in advanced:
-            if state.logprobs is not None:
-                state.logprobs.append(sampled[state.seq.seq_id].logprobs)
+            if state.logprobs is not None:  # one per token, cut where the chain stopped
+                token = sampled[state.seq.seq_id]
+                state.logprobs += [*token.accepted_logprobs, token.logprobs]
+                del state.logprobs[len(state.seq.token_ids) - state.seq.prompt_len :]
             if state.token_metrics is not None:  # one per token: none for accepted proposals
                 token = sampled[state.seq.seq_id]
                 state.token_metrics += [None] * len(token.accepted) + [token.metrics]
@@ -683,15 +706,55 @@ class Engine:
                 why += f", or its grammar allowed no token{_grammar_detail(seq.matcher)}"
             self.fail_request(seq.request_id, why)
 
-    def _advance_grammars(self, plan, sampled) -> None:
+    def _advance_grammar_chains(self, launched: LaunchedStep, sampled: dict) -> dict[int, bool]:
+        """Verify rows with a grammar, before their tokens join the sequence: feed the matcher
+        the accepted proposals and the token after them, and cut the chain after a token that
+        completes the match (the request ends there, as plain steps would end it). Returns
+        seq_id -> whether the match completed, for `_advance_grammars` to finish those."""
+        chained = {}
+        for seq in launched.seqs:
+            token = sampled.get(seq.seq_id)
+            if seq.matcher is None or token is None or not token.proposed or seq.finished:
+                continue
+            chain = [*token.accepted, token.token_id]
+            taken = self._feed_grammar(seq, chain)
+            if taken is None:
+                continue  # the request failed
+            if taken < len(chain):
+                _cut_chain(token, taken)
+            chained[seq.seq_id] = seq.matcher.is_terminated()
+        return chained
+
+    def _feed_grammar(self, seq: Sequence, tokens: list[int]) -> int | None:
+        """Feed tokens until one completes the match; how many it took (None: the matcher
+        refused one or raised, and the request ended with an error, as in _advance_grammars)."""
+        for taken, token in enumerate(tokens, start=1):
+            try:
+                accepted = seq.matcher.accept_token(token)
+            except Exception as exc:
+                self.fail_request(seq.request_id, f"its grammar matcher failed: {exc!r}")
+                return None
+            if not accepted:
+                self.fail_request(seq.request_id, f"its grammar rejected the verified token "
+                                                  f"{token}{_grammar_detail(seq.matcher)}")
+                return None
+            if seq.matcher.is_terminated():
+                return taken
+        return len(tokens)
+
+    def _advance_grammars(self, plan, sampled, chained: dict[int, bool]) -> None:
         """Feed each constrained sequence its sampled token; a completed grammar ends the
         request. The mask allowed only tokens the grammar accepts, so a rejection (or a matcher
         that raises) is a bug, but that request's alone: it ends with an error, the step goes
-        on."""
+        on. `chained`: verify rows, fed already (seq_id -> whether the match completed)."""
         for item in plan.scheduled:
             seq = item.seq
             if seq.matcher is None or seq.seq_id not in sampled or seq.finished:
                 continue  # finished: by a stop token (which may close the match) or the length
+            if seq.seq_id in chained:
+                if chained[seq.seq_id]:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                continue
             token = sampled[seq.seq_id].token_id
             try:
                 accepted = seq.matcher.accept_token(token)
@@ -747,12 +810,57 @@ def format_timings(timings: dict[str, float]) -> str:
 
 
 def _steer(launched: LaunchedStep, sampled: dict) -> None:
-    """Each controlled row's metrics to its knobs, read by the next step planned (with
-    overlapped steps, the one after the step already in flight). Verify rows have no metrics."""
+    """The controlled rows' metrics to their knobs, all rows at once (noesis.control.knobs.
+    observe_rows), read by the next step planned (with overlapped steps, the one after the step
+    already in flight). Verify rows have no metrics."""
+    steered = []
     for seq in launched.seqs:
         token = sampled.get(seq.seq_id)
         if seq.knobs is not None and token is not None and not token.proposed:
-            seq.knobs.observe(token.metrics)
+            steered.append(seq)
+    if not steered:
+        return
+    if launched.metrics:  # the host copy's last columns: no per-row TokenMetrics needed
+        rows = [launched.row_of[seq.seq_id] for seq in steered]
+        metrics = launched.host[rows, -NUM_METRICS:].double().numpy()
+    else:  # none computed: the policy fails soft
+        metrics = np.full((len(steered), NUM_METRICS), np.nan)
+    observe_rows([seq.knobs for seq in steered], metrics)
+
+
+class _ReadBack:
+    """Reading the previous step back from inside the next step's launch, when the next step's
+    grammar masks need its tokens: the runner calls `hook` once the forward is queued, so the
+    device computes while the host waits, advances the matchers and fills the masks. `hook` is
+    None when no constrained row of `plan` waits on `previous` (the masks fill during the
+    forward, and `previous` is read back after the launch, as without a grammar)."""
+
+    def __init__(self, engine: Engine, previous: LaunchedStep | None, plan: StepPlan) -> None:
+        self.outputs: list[RequestOutput] | None = None  # set once `previous` was read back
+        self.failed = False
+        self._engine, self._previous = engine, previous
+        waits = previous is not None and any(
+            item.seq.matcher is not None and item.seq.seq_id in previous.row_of
+            for item in plan.scheduled
+        )
+        self.hook = self._read if waits else None
+
+    def _read(self) -> None:
+        try:
+            self.outputs = self._engine._complete(self._previous)
+        except BaseException:
+            self.failed = True
+            raise
+
+
+def _cut_chain(token, taken: int) -> None:
+    """Keep a verify row's first `taken` tokens (accepted proposals, then the token after
+    them): the last kept becomes the row's token."""
+    chain = [*token.accepted, token.token_id]
+    token.token_id, token.accepted = chain[taken - 1], chain[: taken - 1]
+    if token.logprobs is not None:
+        entries = [*token.accepted_logprobs, token.logprobs]
+        token.logprobs, token.accepted_logprobs = entries[taken - 1], entries[: taken - 1]
 
 
 def _grammar_detail(matcher) -> str:

@@ -14,6 +14,7 @@ from noesis.models.config import ModelConfig
 from noesis.models.decoder import DecoderLM
 from noesis.models.registry import model_class
 from noesis.tokenizer import Tokenizer
+from noesis.weights import mxfp4
 from noesis.weights.files import CONFIG_MAX_BYTES, read_json_file
 from noesis.weights.gguf import (
     gguf_config,
@@ -124,6 +125,8 @@ def load_model(
         module = model_class(config)(config)
     if gguf is not None and keeps_packed(gguf_weights, device):
         pack_gguf_projections(module, config, gguf)
+    if config.moe is not None and config.moe.mxfp4 and mxfp4.keeps_packed(device):
+        mxfp4.pack_experts(module)  # the fused experts kernel reads them packed
     check_fits(
         weight_needs(module, config, dtype), device, f"the model's weights in {_dtype_name(dtype)}",
         "Use a smaller model, a narrower dtype or a device with more memory.",
@@ -216,6 +219,9 @@ def describe_checkpoint(model: str | Path, dtype="auto", device="cpu",
     if gguf is not None:
         info |= describe_gguf(gguf) | _gguf_weight_lines(gguf, config, target, device)
     info |= packed_weight_lines(index, config, target)  # AWQ / GPTQ: bytes packed vs float
+    if config.moe is not None and config.moe.mxfp4:
+        info |= mxfp4.packed_memory_lines(index, params["text"] * elem, target,
+                                          resolve_device(device))  # fmt: skip
     return info | _routed_and_conv(config, params["text"], params["experts"], elem)
 
 

@@ -1,12 +1,12 @@
 """Routed experts: which experts each token takes (`route`) and their gated MLPs (`experts`).
 
 `experts` is the one call the models make, over stacked weights gate_up [E, 2I, H] ([gate | up]
-rows) and down [E, H, I]. Its PyTorch path groups the (token, expert) pairs by expert, runs each
+rows) and down [E, H, I], in the model dtype or (CUDA only) MXFP4-packed. On CUDA it is the fused
+Triton kernels of kernels/moe_triton.py: one launch per projection, no host sync, graph
+capturable. Elsewhere the PyTorch path groups the (token, expert) pairs by expert, runs each
 expert's two projections over its own rows and scatters the weighted results back: the work of
-the active experts only, at the price of one host sync for the group sizes. While a CUDA graph is
-being captured (no sync allowed) small batches gather their experts' weights per pair and larger
-ones run every expert masked. A fused grouped-GEMM kernel (Triton) is meant to replace all three
-behind the same call.
+the active experts only, at the price of one host sync for the group sizes. `gathered` and
+`masked` are sync-free PyTorch references (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-GATHER_MAX_PAIRS = 32  # capture only: above this many (token, expert) pairs, run experts masked
+from noesis.weights.mxfp4 import Mxfp4Weight
 
 
 @dataclass(frozen=True)
@@ -58,17 +58,22 @@ def experts(
     x: torch.Tensor,  # [T, H]
     ids: torch.Tensor,  # [T, k] expert of each (token, slot)
     weights: torch.Tensor,  # [T, k]
-    gate_up: torch.Tensor,  # [E, 2I, H]
-    down: torch.Tensor,  # [E, H, I]
+    gate_up: torch.Tensor | Mxfp4Weight,  # [E, 2I, H]
+    down: torch.Tensor | Mxfp4Weight,  # [E, H, I]
     activation: Activation,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
     down_bias: torch.Tensor | None = None,  # [E, H]
 ) -> torch.Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H]."""
-    args = (x, ids, weights, gate_up, down, activation, gate_up_bias, down_bias)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return (gathered if ids.numel() <= GATHER_MAX_PAIRS else masked)(*args)
-    return grouped(*args)
+    if x.is_cuda:
+        from noesis.kernels import moe_triton
+
+        return moe_triton.experts(x, ids, weights, gate_up, down, activation.limit,
+                                  activation.alpha, gate_up_bias, down_bias)  # fmt: skip
+    if isinstance(gate_up, Mxfp4Weight) or isinstance(down, Mxfp4Weight):
+        raise ValueError(f"MXFP4-packed experts run on CUDA only, not {x.device} (other "
+                         "devices dequantize them at load)")  # fmt: skip
+    return grouped(x, ids, weights, gate_up, down, activation, gate_up_bias, down_bias)
 
 
 def grouped(x, ids, weights, gate_up, down, activation, gate_up_bias=None, down_bias=None):

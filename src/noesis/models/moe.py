@@ -1,8 +1,8 @@
 """The routed-expert MLP block (Qwen3-MoE, Mixtral, gpt-oss): a router and stacked experts.
 
 The experts' weights are stacked [E, out, in] with gate and up as one [gate | up] projection;
-`weights/mapping.py` declares how each family's checkpoint fills them. The computation is
-`kernels.moe.experts`, which backends may replace.
+`weights/mapping.py` declares how each family's checkpoint fills them. MXFP4 checkpoints loaded
+on CUDA keep them packed (`keep_mxfp4_packed`). The computation is `kernels.moe.experts`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from torch import nn
 
 from noesis.kernels import moe as moe_ops
 from noesis.models.config import ModelConfig
+from noesis.weights.mxfp4 import MXFP4_BLOCK, Mxfp4Weight
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 class Experts(nn.Module):
@@ -28,18 +31,38 @@ class Experts(nn.Module):
         else:
             self.gate_up_proj_bias = self.down_proj_bias = None
         self.activation = moe_ops.Activation(moe.swiglu_limit, moe.swiglu_alpha)
+        self.packed = False
+
+    def keep_mxfp4_packed(self) -> None:
+        """Before loading (on the meta device): hold each projection as the checkpoint stores
+        it, uint8 `{name}_blocks` [E, N, K / 32, 16] and `{name}_scales` [E, N, K / 32], in
+        place of the float [E, N, K]; they load under their own names."""
+        for name in PROJECTIONS:
+            experts, rows, cols = getattr(self, name).shape
+            delattr(self, name)
+            groups = cols // MXFP4_BLOCK
+            for kind, shape in (("blocks", (experts, rows, groups, 16)),
+                                ("scales", (experts, rows, groups))):  # fmt: skip
+                tensor = torch.empty(shape, dtype=torch.uint8, device="meta")
+                self.register_parameter(f"{name}_{kind}", nn.Parameter(tensor, False))
+        self.packed = True
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return moe_ops.experts(
             x,
             ids,
             weights,
-            self.gate_up_proj,
-            self.down_proj,
+            self._projection("gate_up_proj"),
+            self._projection("down_proj"),
             self.activation,
             self.gate_up_proj_bias,
             self.down_proj_bias,
         )
+
+    def _projection(self, name: str) -> torch.Tensor | Mxfp4Weight:
+        if self.packed:
+            return Mxfp4Weight(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"))
+        return getattr(self, name)
 
 
 class SparseMoeBlock(nn.Module):

@@ -4,11 +4,15 @@ Speculative decoding plugs in here as verify rows: a sequence scheduled with pro
 last token and the proposals (taken from the step's proposals on the device), its logits at
 each of those positions go to speculative.verify instead of the sampler, and the same single
 copy brings back the token after the accepted ones, the proposal count and the accepted
-proposals. On CUDA verify steps replay the decode graphs, each verified position a graph row.
+proposals (and the logprobs of each token a row emits, when asked). A verify row with a grammar
+is masked at each position by speculative.grammar.VerifyMasks, filled while the forward runs as
+plain rows' masks are. On CUDA verify steps replay the decode graphs, each verified position a
+graph row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter as _perf_counter
 from typing import TYPE_CHECKING, Any
@@ -48,6 +52,8 @@ class SampledToken:
     accepted: list[int] = field(default_factory=list)  # verify rows: proposals kept, in order
     proposed: int = 0  # verify rows: proposals judged
     metrics: TokenMetrics | None = None  # when asked (plain rows; verify rows have none)
+    # verify rows, when logprobs were asked: one entry per accepted proposal, as `logprobs`
+    accepted_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -63,7 +69,9 @@ class LaunchedStep:
     ready: torch.cuda.Event | None  # recorded after the copy (CUDA)
     top_k: int  # logprob columns packed in `host`
     # Verify steps: `host` rows are [token, proposed, accepted proposals padded with -1
-    # (spec_width columns), logprob columns...]; 0 when the step verified nothing.
+    # (spec_width columns), logprob columns...]; 0 when the step verified nothing. Their
+    # logprob columns are spec_width + 1 groups of 1 + 2 * top_k, one per token a row emits
+    # (accepted proposals, then the token); a plain row fills the first group only.
     spec_width: int = 0
     metrics: bool = False  # `host` rows end with NUM_METRICS metric columns
     graph: bool = False  # replayed a captured graph
@@ -106,6 +114,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.graphs: CudaGraphRunner | None = None
         self.masks = None  # MaskFiller, made for the first step with a grammar
+        self.verify_masks = None  # speculative.grammar.VerifyMasks, for verify rows' grammars
         self.step_counts = {"graph": 0, "eager": 0}  # how steps ran, for benchmarks
         self.verify_counts = {"graph": 0, "eager": 0}  # how steps with verify rows ran
         # Telemetry: time each step (events around it, read after fetch's wait), and run the
@@ -133,23 +142,41 @@ class ModelRunner:
         return self.fetch(self.launch(plan, None))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
+    def launch(
+        self,
+        plan: StepPlan,
+        previous: LaunchedStep | None,
+        read_back: Callable[[], None] | None = None,
+    ) -> LaunchedStep:
         """Queue one step (forward, grammar masks, sampling or verification, the copy of the
         results to the host) without waiting for it. Decodes of tokens still pending take them
         from `previous`, the step launched before this one, on the device; verify rows take
-        their proposals from `plan.proposals`."""
+        their proposals from `plan.proposals`.
+
+        `read_back` (the caller's: read `previous` back, which advances the grammar matchers
+        its tokens feed) is called once the forward is queued; the masks are filled after it.
+        So the device runs this step's forward while the host waits for the previous step's
+        tokens, and only the sampler waits for the masks. Without it the masks fill on a CPU
+        thread while the forward is queued."""
         started = self._start_timing() if self.timing else None
         sampling = [item for item in plan.scheduled if item.samples]
         plain = [item.seq for item in sampling if not item.num_draft]
         verifying = [item for item in sampling if item.num_draft]
         matchers = [seq.matcher for seq in plain]
-        constrained = any(m is not None for m in matchers)
-        if constrained:  # the masks fill on a CPU thread while the forward runs
+        early = read_back is None and any(m is not None for m in matchers)
+        if early:
             self._mask_filler().start(matchers)
+        guided = self._start_verify_masks(verifying, plan.proposals)
         try:
             logits = self._forward(plan, previous)
         finally:  # collected even when the forward fails, so the next step can start a fill
-            bitmask = self.masks.result(self.device) if constrained else None
+            try:
+                bitmask = self.masks.result(self.device) if early else None
+            finally:
+                verify_bitmask = self.verify_masks.result(self.device) if guided else None
+        if read_back is not None:
+            read_back()
+            bitmask = self._late_masks(plain)
         scored = [item for item in plan.scheduled if item.num_scored]
         if scored:  # their rows come last: [R + P, V] -> [R, V], [P, V]
             count = sum(item.num_scored for item in scored)
@@ -168,7 +195,7 @@ class ModelRunner:
             launched.signals = self._signals(logits, plain)
         out = self._sample(logits, plain) if plain else None
         if verifying:
-            verified = self._verify(target, verifying, plan.proposals)
+            verified = self._verify(target, verifying, plan.proposals, verify_bitmask)
             self._copy_out_verified(launched, out, verified)
         elif out is not None:
             self._copy_out(launched, out)
@@ -230,21 +257,21 @@ class ModelRunner:
     def _copy_out(self, launched: LaunchedStep, out: SamplerOutput,
                   ids: torch.Tensor | None = None) -> None:
         """Start the step's single device -> host copy: ids ([B], or [B, m] for a verify
-        step), and logprobs packed beside them."""
+        step), and logprobs packed beside them (a verify step's: [B, G] and [B, G, k], one
+        group of 1 + 2k columns per token a row may emit)."""
         launched.token_ids = out.token_ids  # what the next step may feed: valid ids only
         payload = out.reported_ids if out.reported_ids is not None else out.token_ids
         payload = ids if ids is not None else payload
         if out.token_logprobs is not None:
-            payload = torch.cat(
-                [
-                    payload.view(payload.shape[0], -1).double(),
-                    out.token_logprobs[:, None].double(),
-                    out.top_ids.double(),
-                    out.top_logprobs.double(),
-                ],
-                dim=1,
-            )  # [B, 2 + 2k], or [B, m + 1 + 2k]
-            launched.top_k = out.top_ids.shape[1]
+            parts = (out.token_logprobs, out.top_ids, out.top_logprobs)
+            if out.token_logprobs.dim() == 1:  # one token per row: one group
+                parts = tuple(x[:, None] for x in parts)
+            chosen, top_ids, top_logprobs = parts
+            groups = torch.cat([chosen[..., None].double(), top_ids.double(),
+                                top_logprobs.double()], dim=2)  # [B, G, 1 + 2k]
+            payload = torch.cat([payload.view(payload.shape[0], -1).double(), groups.flatten(1)],
+                                dim=1)  # [B, 1 + G (1 + 2k)], or [B, m + G (1 + 2k)]
+            launched.top_k = top_ids.shape[-1]
         if out.metrics is not None:  # [B, ... + NUM_METRICS]
             payload = torch.cat([payload.view(payload.shape[0], -1).double(), out.metrics.double()],
                                 dim=1)  # fmt: skip
@@ -284,21 +311,17 @@ class ModelRunner:
         results = {}
         for seq, row in zip(seqs, launched.host.tolist(), strict=True):
             token = int(row[0])
-            logprobs = None
-            if seq.params.logprobs is not None:
-                n = seq.params.logprobs
-                top = zip(row[first + 1 : first + 1 + n], row[first + 1 + k : first + 1 + k + n],
-                          strict=True)
-                logprobs = {int(i): lp for i, lp in top}
-                logprobs[token] = row[first]
+            accepted = [int(t) for t in row[2 : 2 + width] if t >= 0] if width else []
+            entries = [None]
+            if seq.params.logprobs is not None:  # group g: the g-th token the row emits
+                entries = [_logprob_entry(row, first + g * (1 + 2 * k), k, seq.params.logprobs,
+                                          tok) for g, tok in enumerate([*accepted, token])]
             metrics = None
             if launched.metrics and (seq.params.metrics or seq.knobs is not None):
                 metrics = TokenMetrics.from_row(row[-NUM_METRICS:])
-            if width:
-                accepted = [int(t) for t in row[2 : 2 + width] if t >= 0]
-                results[seq.seq_id] = SampledToken(token, logprobs, accepted, int(row[1]), metrics)
-            else:
-                results[seq.seq_id] = SampledToken(token, logprobs, metrics=metrics)
+            results[seq.seq_id] = SampledToken(token, entries[-1], accepted,
+                                               int(row[1]) if width else 0, metrics,
+                                               entries[:-1] if accepted else [])
         return results
 
     @staticmethod
@@ -334,10 +357,27 @@ class ModelRunner:
             row += item.num_draft + 1
         return logits[self._tensor(plain)], logits[self._tensor(verify)]
 
+    def _start_verify_masks(self, verifying: list[ScheduledSeq],
+                            proposals: StepProposals | None) -> bool:
+        """Start filling the verify rows' per-position grammar masks, when a row has a
+        grammar; whether it did."""
+        matchers = [item.seq.matcher for item in verifying]
+        if all(matcher is None for matcher in matchers):
+            return False
+        if self.verify_masks is None:
+            from noesis.speculative.grammar import VerifyMasks
+
+            self.verify_masks = VerifyMasks(self.vocab_size)
+        rows = [proposals.row_of[item.seq.seq_id] for item in verifying]
+        depths = [item.num_draft for item in verifying]
+        self.verify_masks.start(matchers, proposals.proposals, rows, depths, max(depths) + 1)
+        return True
+
     def _verify(self, target: torch.Tensor, verifying: list[ScheduledSeq],
-                proposals: StepProposals):
+                proposals: StepProposals, bitmask: torch.Tensor | None):
         """Judge the verify rows' proposals: speculative.verify's output, with next_token -1
-        where any verified position's logits were not finite (as the sampler reports)."""
+        where a position the row used had no finite logit after its mask (NaN or inf logits,
+        or a grammar state allowing nothing), as the sampler reports."""
         from noesis.speculative.verify import verify
 
         width = target.shape[1] - 1
@@ -350,9 +390,10 @@ class ModelRunner:
         if draft_probs is not None:
             draft_probs = self._rows_of(draft_probs, rows)[:, :width]
         knobs = self.sampling_tensors([item.seq for item in verifying])
-        out = verify(target, proposed, num_proposed, knobs, draft_probs)
-        finite = torch.isfinite(target.amax(dim=-1)).all(dim=-1)
-        out.next_token = torch.where(finite, out.next_token, -1)
+        out = verify(target, proposed, num_proposed, knobs, draft_probs, bitmask)  # masks target
+        finite = torch.isfinite(target.amax(dim=-1))  # [n, k + 1]
+        unused = torch.arange(width + 1, device=self.device)[None, :] > out.num_accepted[:, None]
+        out.next_token = torch.where((finite | unused).all(dim=-1), out.next_token, -1)
         return out, num_proposed
 
     def _copy_out_verified(self, launched: LaunchedStep, plain: SamplerOutput | None,
@@ -367,13 +408,16 @@ class ModelRunner:
         feed = out.next_token.clamp(min=0)  # valid ids, as a plain step's token_ids
         launched.spec_width = width
         if plain is None:
-            return self._copy_out(launched, SamplerOutput(feed, None, None, None), ids)
+            logprobs = _chain_logprobs(None, out.logprobs, 0, feed.shape[0], width + 1)
+            return self._copy_out(launched, SamplerOutput(feed, *logprobs), ids)
         reported = plain.reported_ids if plain.reported_ids is not None else plain.token_ids
         count, extra = reported.shape[0], feed.shape[0]
         plain_ids = torch.cat([reported[:, None], reported.new_zeros((count, 1)),
                                reported.new_full((count, width), -1)], dim=1)
-        logprobs = [None if x is None else _pad_rows(x, extra)  # verify rows ask for none
-                    for x in (plain.token_logprobs, plain.top_ids, plain.top_logprobs)]
+        one_token = None
+        if plain.token_logprobs is not None:
+            one_token = (plain.token_logprobs, plain.top_ids, plain.top_logprobs)
+        logprobs = _chain_logprobs(one_token, out.logprobs, count, extra, width + 1)
         metrics = None if plain.metrics is None else torch.cat(  # verify rows: NaN, none
             [plain.metrics, plain.metrics.new_full((extra, NUM_METRICS), float("nan"))])
         merged = SamplerOutput(torch.cat([plain.token_ids, feed]), *logprobs, metrics=metrics)
@@ -390,6 +434,15 @@ class ModelRunner:
             return self.graphs.replay(plan, sources, previous.token_ids if sources else None,
                                       plan.proposals)
         return self.forward_eager(plan, previous)
+
+    def _late_masks(self, plain: list[Sequence]) -> torch.Tensor | None:
+        """The plain rows' masks filled now (their matchers took the previous step's tokens);
+        None when no row has a grammar. A row that finished meanwhile samples a token that is
+        dropped anyway, so it is left unconstrained (its matcher may be spent or broken)."""
+        matchers = [None if seq.finished else seq.matcher for seq in plain]
+        if all(m is None for m in matchers):
+            return None
+        return self._mask_filler().fill(matchers, self.device)
 
     def _mask_filler(self):
         if self.masks is None:
@@ -609,8 +662,42 @@ def _knobs(seq: Sequence) -> tuple[float, float]:
     return knobs.temperature, knobs.top_p
 
 
-def _pad_rows(x: torch.Tensor, count: int) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros((count, *x.shape[1:]))])
+def _logprob_entry(row: list[float], at: int, k: int, n: int, token: int) -> dict[int, float]:
+    """One emitted token's logprobs from a fetched row whose group starts at `at` (its
+    logprob, k top ids, k top logprobs): the top n, and the token itself."""
+    top = zip(row[at + 1 : at + 1 + n], row[at + 1 + k : at + 1 + k + n], strict=True)
+    entry = {int(i): lp for i, lp in top}
+    entry[token] = row[at]
+    return entry
+
+
+def _chain_logprobs(one_token, chain, plain_rows: int, chain_rows: int, groups: int):
+    """The plain rows' logprobs (one token each: [Bp], [Bp, k], [Bp, k]) stacked over the
+    verify rows' (one per position: [Bv, G], [Bv, G, k], [Bv, G, k]) as [B, G], [B, G, k] and
+    [B, G, k]; zeros where a side asked for none (never read). (None,) * 3 when neither did."""
+    if one_token is None and chain is None:
+        return None, None, None
+    if one_token is not None:
+        one_token = tuple(x[:, None] for x in one_token)  # one position
+    k = max(part[1].shape[-1] for part in (one_token, chain) if part is not None)
+    device = (one_token or chain)[0].device
+    return tuple(torch.cat(side) for side in zip(
+        _padded_logprobs(one_token, plain_rows, groups, k, device),
+        _padded_logprobs(chain, chain_rows, groups, k, device), strict=True))
+
+
+def _padded_logprobs(part, rows: int, groups: int, k: int, device: torch.device):
+    """One side's logprobs padded to `groups` positions and k top entries, or zeros for its
+    `rows` rows when it asked for none."""
+    if part is None:
+        return (torch.zeros((rows, groups), device=device),
+                torch.zeros((rows, groups, k), dtype=torch.int64, device=device),
+                torch.zeros((rows, groups, k), device=device))
+    chosen, top_ids, top_logprobs = part
+    more, wider = groups - chosen.shape[1], k - top_ids.shape[-1]
+    pad = torch.nn.functional.pad
+    return (pad(chosen, (0, more)), pad(top_ids, (0, wider, 0, more)),
+            pad(top_logprobs, (0, wider, 0, more)))
 
 
 def _padded(pages: list[int], length: int) -> list[int]:

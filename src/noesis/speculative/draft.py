@@ -21,9 +21,11 @@ from noesis.models.rope import RotaryEmbedding
 from noesis.runner.cuda_graph import CudaGraphRunner
 from noesis.runner.inputs import AttentionMetadata, PrefillSpan
 from noesis.runner.runner import default_attention
-from noesis.sampling.sampler import Penalties, SamplingTensors
+from noesis.sampling.sampler import LogitBias, Penalties, SamplingTensors
+from noesis.speculative.grammar import DraftGuide
 from noesis.speculative.proposer import Proposals, lengths_under_entropy
-from noesis.speculative.verify import draft_race, penalized, processed_probs
+from noesis.speculative.verify import adjusted, draft_race, processed_probs
+from noesis.structured.matcher import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -87,7 +89,10 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, request_ids: Sequence[object], histories: Sequence[Sequence[int]],
-                depths: Sequence[int], sampling: SamplingTensors | None = None) -> Proposals:
+                depths: Sequence[int], sampling: SamplingTensors | None = None,
+                matchers: Sequence[GrammarMatcher | None] | None = None) -> Proposals:
+        """matchers: each request's grammar, or None: its rows draft under the grammar's masks
+        (speculative.grammar.DraftGuide), the matchers left as they were."""
         n, k = len(histories), max(depths, default=0)
         rows = [i for i in range(n) if depths[i] > 0
                 and self._reserve(request_ids[i], histories[i], k)]
@@ -98,12 +103,24 @@ class DraftProposer:
             seqs = [self._seqs[request_ids[i]] for i in rows]
             index = self._tensor(rows)
             knobs = _select(sampling, index) if sampling is not None else None
-            tokens, q = self._draft(seqs, [histories[i] for i in rows], k, knobs)
+            guide = None
+            if matchers is not None and any(matchers[i] is not None for i in rows):
+                guide = DraftGuide([matchers[i] for i in rows], self.vocab_size, self.device,
+                                   per_token=self.device.type == "cpu")
+            try:
+                tokens, q = self._draft(seqs, [histories[i] for i in rows], k, knobs, guide)
+            finally:
+                if guide is not None:
+                    guide.finish()
             depth = self._tensor([depths[i] for i in rows])
             proposed[index], probs[index] = tokens, q
             num_proposed[index] = lengths_under_entropy(q, depth, self.entropy_cutoff)
+        host, ready = self._copy_to_host(proposed)
+        for i in rows:
+            seq = self._seqs[request_ids[i]]
+            seq.drafted, seq.drafted_ready = host[i], ready
         sampled = sampling is not None and not sampling.all_greedy
-        return Proposals(proposed, num_proposed, probs if sampled else None)
+        return Proposals(proposed, num_proposed, probs if sampled else None, host, ready)
 
     def release(self, request_id: object) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -125,8 +142,8 @@ class DraftProposer:
             seq.pages.extend(self.allocator.allocate(missing))
         return True
 
-    def _draft(self, seqs, histories, k, knobs):
-        """k tokens per row [r, k] and their distributions [r, k, V]."""
+    def _draft(self, seqs, histories, k, knobs, guide=None):
+        """k tokens per row [r, k] and their distributions [r, k, V] (masked by `guide`)."""
         lengths = [len(h) for h in histories]
         drafted = torch.zeros((len(seqs), k), dtype=torch.int64, device=self.device)
         step_logits = self._graph_steps(seqs, histories, k)
@@ -135,15 +152,15 @@ class DraftProposer:
             logits = step_logits(j, drafted) if step_logits is not None else (  # [r, V]
                 self._feed_history(seqs, histories) if j == 0 else
                 self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
+            if guide is not None:
+                logits = guide.mask(j, logits, drafted)
             per_position.append(logits)
             # Penalties at position j count drafted[:, :j], so _pick sees every position so far.
             token, dist = _pick(torch.stack(per_position, dim=1), drafted[:, :j], knobs, j)
             drafted[:, j] = token
             q.append(dist)
-        host, ready = self._copy_to_host(drafted)
-        for row, (seq, history) in enumerate(zip(seqs, histories, strict=True)):
+        for seq, history in zip(seqs, histories, strict=True):
             seq.num_cached, seq.drafted_from = len(history), len(history)
-            seq.drafted, seq.drafted_ready = host[row], ready
         return drafted, torch.stack(q, dim=1)
 
     def _graph_steps(self, seqs, histories, k):
@@ -171,7 +188,8 @@ class DraftProposer:
 
     def _copy_to_host(self, drafted: torch.Tensor):
         """drafted's host copy, started without waiting, and the event that marks it done:
-        the next step reads it (after the verify step's own sync) to count the cached tokens."""
+        the next step reads it (after the verify step's own sync) to count the cached tokens,
+        and the runner's grammar masks (speculative.grammar) walk it while the target runs."""
         if self.device.type != "cuda":
             return drafted, None
         host = torch.empty(drafted.shape, dtype=drafted.dtype, pin_memory=True)
@@ -270,7 +288,7 @@ def _pick(logits, so_far, knobs, j):
         last = logits[:, j]
         return last.argmax(dim=-1), last.softmax(dim=-1)
     q = processed_probs(logits, so_far, knobs)[:, j]
-    greedy = penalized(logits, so_far, knobs.penalties)[:, j].argmax(dim=-1)
+    greedy = adjusted(logits, so_far, knobs)[:, j].argmax(dim=-1)
     if knobs.all_greedy:
         return greedy, q
     sampled = draft_race(q.log(), knobs.seeds, knobs.steps + j)
@@ -278,7 +296,7 @@ def _pick(logits, so_far, knobs, j):
 
 
 def _select(t: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
-    """The knobs of the chosen rows only."""
+    """The knobs of the chosen rows only (those the draft samples with)."""
 
     def pick(x):
         return None if x is None else x[index]
@@ -289,4 +307,16 @@ def _select(t: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
         penalties = Penalties(pick(p.repetition), pick(p.presence), pick(p.frequency),
                               pick(p.output_counts), pick(p.seen_mask))
     return SamplingTensors(pick(t.temperature), pick(t.top_k), pick(t.top_p), pick(t.min_p),
-                           pick(t.seeds), pick(t.steps), t.all_greedy, penalties)
+                           pick(t.seeds), pick(t.steps), t.all_greedy, penalties,
+                           logit_bias=_select_bias(t.logit_bias, index))
+
+
+def _select_bias(bias: LogitBias | None, index: torch.Tensor) -> LogitBias | None:
+    """The chosen rows' bias entries, renumbered to their place in `index`, without a sync:
+    an entry of a row left out stays, as a bias of 0 on that token of row 0 (x + 0.0 is x)."""
+    if bias is None:
+        return None
+    match = bias.rows[:, None] == index[None, :]  # [N, r]: entry i belongs to chosen row j
+    found = match.any(dim=1)
+    rows = torch.where(found, match.to(torch.int64).argmax(dim=1), 0)
+    return LogitBias(rows, bias.token_ids, torch.where(found, bias.values, 0.0))

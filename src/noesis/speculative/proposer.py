@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from noesis.sampling.sampler import SamplingTensors
+from noesis.structured.matcher import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -27,6 +28,10 @@ class Proposals:
     # temperature and filters as the target's, see verify.processed_probs); None when the
     # proposals are deterministic.
     draft_probs: torch.Tensor | None = None
+    # `proposed` on the host (None: `proposed` is a host tensor already), complete once
+    # `host_ready` is (None: now): a draft's copy, started without waiting for it.
+    host_proposed: torch.Tensor | None = None
+    host_ready: torch.cuda.Event | None = None
 
     @classmethod
     def from_lists(cls, token_ids: Sequence[Sequence[int]], k: int | None = None,
@@ -40,6 +45,15 @@ class Proposals:
             proposed[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.int64)
         lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
         return cls(proposed.to(device), lengths.to(device))
+
+    def proposed_on_host(self) -> torch.Tensor:
+        """`proposed` [n, k] on the host: waits for a draft's copy (not for the device's
+        later work), so a worker thread can read it while the verify forward runs."""
+        if self.host_proposed is None:
+            return self.proposed.cpu()
+        if self.host_ready is not None:
+            self.host_ready.synchronize()
+        return self.host_proposed
 
     def to_lists(self) -> list[list[int]]:
         """Each row's proposals on the host (a device sync: for tests and the host side)."""
@@ -61,11 +75,14 @@ class Proposer(Protocol):
 
     histories: each request's committed tokens (prompt and output), which only grow between
     calls; depths: how many tokens each may propose (0: none); sampling: the requests' knobs
-    with steps at the first proposed token, which a model proposer samples with (None: greedy).
+    with steps at the first proposed token, which a model proposer samples with (None: greedy);
+    matchers (passed only when a request has a grammar): each request's grammar matcher or
+    None, which a model proposer may draft under, leaving it in the state it found it.
     """
 
     def propose(self, request_ids: Sequence[object], histories: Sequence[Sequence[int]],
-                depths: Sequence[int], sampling: SamplingTensors | None = None) -> Proposals: ...
+                depths: Sequence[int], sampling: SamplingTensors | None = None,
+                matchers: Sequence[GrammarMatcher | None] | None = None) -> Proposals: ...
 
     def release(self, request_id: object) -> None: ...
 
@@ -87,9 +104,11 @@ class NgramProposer:
         self._indexes: dict[object, _NgramIndex] = {}
 
     def propose(self, request_ids: Sequence[object], histories: Sequence[Sequence[int]],
-                depths: Sequence[int], sampling: SamplingTensors | None = None) -> Proposals:
+                depths: Sequence[int], sampling: SamplingTensors | None = None,
+                matchers: Sequence[GrammarMatcher | None] | None = None) -> Proposals:
         """Lookups on the host; the proposals come back as CPU tensors (sampling is unused:
-        a lookup is deterministic, so verify takes q as one-hot)."""
+        a lookup is deterministic, so verify takes q as one-hot; so are matchers: the
+        speculator cuts a lookup where its grammar refuses it)."""
         if not len(request_ids) == len(histories) == len(depths):
             raise ValueError("request_ids, histories and depths must have one entry per request")
         token_ids = []

@@ -4,13 +4,14 @@ proposals; after the step it books each verify's outcome (depth controllers, cou
 
 Which sequences speculate: a running sequence decoding its next token whose last token is on
 the host (not pending), whose controller asks for a depth above 0, and which has room for one
-more token past the proposals. Excluded, with the reason counted once per request:
-- "grammar": a constrained row would need its matcher rolled back over rejected proposals;
-- "logprobs": verify returns tokens, not the per-position logprobs a request asked for.
-No request speculates while more than `max_batch` run (when set), nor, once graphs are captured
-(`capture_graphs`), while a verify step could not replay them: the running sequences plus their
-proposals must fit the largest graph (`max_rows`). An eager verify step costs what ~20 replayed
-decode steps cost on a launch-bound model, and a step of more rows is compute-bound anyway.
+more token past the proposals, whatever its options: a grammar's rows are masked at every
+verified position (speculative.grammar), logit bias and logprobs are verify's as the sampler's.
+A lookup's proposals for a constrained row stop where its grammar would refuse one.
+No request speculates while more than `max_batch` run (when set), nor, once graphs are
+captured (`capture_graphs`), while a verify step could not replay them: the running
+sequences plus their proposals must fit the largest graph (`max_rows`). An eager verify step
+costs what ~20 replayed decode steps cost on a launch-bound model, and a step of more rows is
+compute-bound anyway.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from noesis.planner.sequence import Sequence as Seq
 from noesis.planner.sequence import SequenceStatus
 from noesis.speculative.adaptive import DepthController
 from noesis.speculative.config import SpeculativeConfig
-from noesis.speculative.proposer import NgramProposer, Proposer, StepProposals
+from noesis.speculative.grammar import grammar_prefix
+from noesis.speculative.proposer import NgramProposer, Proposals, Proposer, StepProposals
 
 if TYPE_CHECKING:
     from noesis.engine.engine import EngineConfig
@@ -38,16 +42,12 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self._controllers: dict[int, DepthController] = {}  # seq_id -> its depth controller
-        self._excluded: dict[int, str] = {}  # seq_id -> why it does not speculate
         self._paused = False  # the running batch is over config.max_batch or max_rows
         self.max_rows: int | None = None  # rows of the largest verify step that replays a graph
         self.counts = {
             "verify_rows": 0,
             "proposed": 0,
             "accepted": 0,
-            "excluded_grammar": 0,
-            "excluded_logprobs": 0,
-            "excluded_logit_bias": 0,
         }
 
     @classmethod
@@ -91,12 +91,7 @@ class Speculator:
     def wants(self, seq: Seq) -> bool:
         """Whether `seq` would propose at its next step (so that step waits for this one's
         tokens on the host instead of overlapping)."""
-        return (
-            not self._paused
-            and not seq.finished
-            and self._exclusion(seq) is None
-            and self._depth(seq) > 0
-        )
+        return not self._paused and not seq.finished and self._depth(seq) > 0
 
     def propose(
         self, running: Sequence[Seq], knobs: Callable | None = None
@@ -113,13 +108,16 @@ class Speculator:
         if not seqs:
             return None, {}
         tensors = knobs(seqs) if knobs is not None and self.needs_knobs else None
+        guided = {}  # passed only when a row has a grammar
+        if any(s.matcher is not None for s in seqs):
+            guided["matchers"] = [s.matcher for s in seqs]
         proposals = self.proposer.propose(
-            [s.request_id for s in seqs], [s.token_ids for s in seqs], depths, tensors
+            [s.request_id for s in seqs], [s.token_ids for s in seqs], depths, tensors, **guided
         )
         # A lookup's counts are on the host already; a draft's stay on the device (reading
         # them would sync), so its rows verify their full depth and mask the rest.
         if proposals.num_proposed.device.type == "cpu":
-            depths = proposals.num_proposed.tolist()
+            depths = _grammar_cut(seqs, proposals)
         row_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
         num_drafts = {seq.seq_id: n for seq, n in zip(seqs, depths, strict=True) if n > 0}
         return StepProposals(proposals, row_of), num_drafts
@@ -142,7 +140,7 @@ class Speculator:
         """One sampled step of `seq`: `proposed` proposals judged (0: a plain step), `accepted`
         of them kept."""
         if seq.seq_id not in self._controllers:
-            return  # never eligible (excluded): no controller to feed
+            return  # never asked for a depth (speculation paused): no controller to feed
         self._controllers[seq.seq_id].record(proposed, accepted)
         if proposed:
             seq.spec_proposed += proposed
@@ -154,7 +152,6 @@ class Speculator:
     def release(self, seq: Seq) -> None:
         """The request ended: drop its controller and the proposer's state (a draft's pages)."""
         self._controllers.pop(seq.seq_id, None)
-        self._excluded.pop(seq.seq_id, None)
         self.proposer.release(seq.request_id)
 
     def _ready(self, seq: Seq) -> bool:
@@ -163,7 +160,6 @@ class Speculator:
             and seq.num_pending == 0
             and seq.num_computed == len(seq.token_ids) - 1
             and len(seq.token_ids) + 1 < seq.max_len
-            and self._exclusion(seq) is None
             and self._depth(seq) > 0
         )
 
@@ -173,18 +169,17 @@ class Speculator:
             controller = self._controllers[seq.seq_id] = DepthController(self.config)
         return controller.depth
 
-    def _exclusion(self, seq: Seq) -> str | None:
-        reason = self._excluded.get(seq.seq_id)
-        if reason is not None:
-            return reason
-        if seq.matcher is not None:
-            reason = "grammar"
-        elif seq.params.logprobs is not None:
-            reason = "logprobs"
-        elif seq.params.logit_bias is not None:  # verification would judge the unbiased logits
-            reason = "logit_bias"
-        else:
-            return None
-        self._excluded[seq.seq_id] = reason
-        self.counts[f"excluded_{reason}"] += 1
-        return reason
+
+def _grammar_cut(seqs: Sequence[Seq], proposals: Proposals) -> list[int]:
+    """Each row's count of host proposals (a lookup's), cut for a constrained row where its
+    grammar refuses one or after one that completes it: verifying those could keep nothing.
+    (A deterministic guess may be dropped for what it is; a draft's sampled one may not: its
+    rejection must come from the acceptance test, or the output leaves the target's
+    distribution. And its tokens are on the device.) Updates proposals.num_proposed."""
+    counts = proposals.num_proposed.tolist()
+    for row, seq in enumerate(seqs):
+        if seq.matcher is not None and counts[row]:
+            offered = proposals.proposed[row, : counts[row]].tolist()
+            counts[row] = grammar_prefix(seq.matcher, offered)
+    proposals.num_proposed = torch.tensor(counts, dtype=torch.int64)
+    return counts

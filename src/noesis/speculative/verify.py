@@ -6,8 +6,10 @@ rejection sampling: proposal x at position j is accepted with probability min(1,
 q_j(x)); at the first rejection the token is drawn from the residual max(0, p_j - q_j)
 (normalized), and when every proposal is accepted a bonus token is drawn from the next position's
 p. Each emitted token then follows the target distribution exactly. p and q are the
-distributions the non-speculative sampler would sample from: penalties (with the proposals
-before a position counted as output), temperature, then top-k / top-p / min-p.
+distributions the non-speculative sampler would sample from: the grammar's mask at that
+position (target only), penalties (with the proposals before a position counted as output),
+logit bias, temperature, then top-k / top-p / min-p. Logprobs, when asked, are the plain
+sampler's: the masked target logits' log-softmax at each emitted token's position.
 
 Randomness is the sampler's counter-based noise (noise.uniform_at), keyed by (seed, step,
 column): columns below 2**24 are vocabulary ids and belong to the sampler's own race; the
@@ -23,7 +25,15 @@ from dataclasses import dataclass
 import torch
 
 from noesis.sampling.noise import exponential_at, uniform_at
-from noesis.sampling.sampler import Penalties, SamplingTensors, apply_penalties, filter_logits
+from noesis.sampling.sampler import (
+    LogitBias,
+    Penalties,
+    SamplingTensors,
+    apply_penalties,
+    filter_logits,
+    logprobs_of,
+)
+from noesis.structured.bitmask import apply_token_bitmask_
 
 MAX_VOCAB = 1 << 24  # vocabulary ids occupy noise columns [0, 2**24)
 ACCEPT_COLUMN = 1 << 24  # one column per (seed, step): the acceptance uniform
@@ -37,32 +47,48 @@ class VerifyOutput:
     next_token: torch.Tensor  # [n] long: the correction, or the bonus when all were accepted
     # [n, k + 1] long: the accepted proposals, then next_token, then -1 (what the row emits)
     token_ids: torch.Tensor
+    # When the rows asked for logprobs, per position of token_ids (past the row's tokens: the
+    # logprobs of token 0, never read): the token's logprob [n, k + 1], the top ids and their
+    # logprobs [n, k + 1, K], as sampler.logprobs_of reports them for a plain step's token.
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def verify(target_logits: torch.Tensor, proposed: torch.Tensor, num_proposed: torch.Tensor,
-           t: SamplingTensors, draft_probs: torch.Tensor | None = None) -> VerifyOutput:
+           t: SamplingTensors, draft_probs: torch.Tensor | None = None,
+           bitmask: torch.Tensor | None = None) -> VerifyOutput:
     """Judge each row's proposals against the target.
 
-    target_logits [n, k + 1, V] float: the raw logits at the row's k + 1 verified positions
-    (position j predicts the token after the j-th proposal). proposed [n, k] long (padding past
-    num_proposed is ignored), num_proposed [n] long. draft_probs [n, k, V] from
+    target_logits [n, k + 1, V] float, contiguous: the raw logits at the row's k + 1 verified
+    positions (position j predicts the token after the j-th proposal). proposed [n, k] long
+    (padding past num_proposed is ignored), num_proposed [n] long. draft_probs [n, k, V] from
     `processed_probs` on the draft's logits, or None for a deterministic proposer (q one-hot).
     t: the rows' knobs as the sampler takes them; t.steps is the step of position 0.
+    bitmask [n, k + 1, W] int32: the tokens each position's grammar state allows (position j:
+    after the row's matcher consumed proposals[:j]; all ones for a free row), or None. It is
+    applied to target_logits in place, as a plain step masks its logits: a proposal the grammar
+    forbids has p = 0 and is rejected, and so is everything after it.
     """
     n, positions, vocab = target_logits.shape
     if positions != proposed.shape[1] + 1:
         raise ValueError(f"target_logits has {positions} positions for k={proposed.shape[1]}")
     if vocab > MAX_VOCAB:
         raise ValueError(f"vocabulary of {vocab} exceeds the noise's {MAX_VOCAB} columns")
-    logits = penalized(target_logits, proposed, t.penalties)
+    if bitmask is not None:
+        apply_token_bitmask_(target_logits.view(n * positions, vocab),
+                             bitmask.view(n * positions, -1))
+    logits = adjusted(target_logits, proposed, t)
     greedy_accepted, greedy_next = _verify_greedy(logits, proposed, num_proposed)
     if t.all_greedy:
-        return _output(proposed, greedy_accepted, greedy_next)
-    accepted, next_token = _verify_sampled(logits, proposed, num_proposed, t, draft_probs)
-    greedy_rows = t.temperature == 0
-    accepted = torch.where(greedy_rows, greedy_accepted, accepted)
-    next_token = torch.where(greedy_rows, greedy_next, next_token)
-    return _output(proposed, accepted, next_token)
+        out = _output(proposed, greedy_accepted, greedy_next)
+    else:
+        accepted, next_token = _verify_sampled(logits, proposed, num_proposed, t, draft_probs)
+        greedy_rows = t.temperature == 0
+        accepted = torch.where(greedy_rows, greedy_accepted, accepted)
+        next_token = torch.where(greedy_rows, greedy_next, next_token)
+        out = _output(proposed, accepted, next_token)
+    if t.max_logprobs is not None:
+        out.logprobs = _emitted_logprobs(target_logits, out.token_ids, t.max_logprobs)
+    return out
 
 
 def processed_probs(logits: torch.Tensor, proposed: torch.Tensor,
@@ -70,7 +96,25 @@ def processed_probs(logits: torch.Tensor, proposed: torch.Tensor,
     """The distribution each position samples from: logits [n, m, V] (m <= k + 1, a draft's
     m = k) -> probabilities [n, m, V], the sampler's processing with proposals[:j] counted as
     output at position j. Greedy rows get their temperature-1 distribution."""
-    return scores(penalized(logits, proposed, t.penalties), t).softmax(dim=-1)
+    return scores(adjusted(logits, proposed, t), t).softmax(dim=-1)
+
+
+def adjusted(logits: torch.Tensor, proposed: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """What the sampler does to the (masked) logits before temperature, at every position:
+    penalties, position j counting proposals[:j] as generated, then the logit bias."""
+    return biased(penalized(logits, proposed, t.penalties), t.logit_bias)
+
+
+def biased(logits: torch.Tensor, bias: LogitBias | None) -> torch.Tensor:
+    """apply_logit_bias at every position: logits [n, m, V] plus each row's biases. Added as
+    a dense [n, V] row (0 where a row has no bias), which gives the same floats as the
+    sampler's scatter: a row's entries name distinct tokens, and x + 0.0 is x."""
+    if bias is None:
+        return logits
+    n, _, vocab = logits.shape
+    dense = logits.new_zeros((n, vocab))
+    dense.index_put_((bias.rows, bias.token_ids), bias.values.to(logits.dtype), accumulate=True)
+    return logits + dense[:, None, :]
 
 
 def penalized(logits: torch.Tensor, proposed: torch.Tensor,
@@ -112,6 +156,15 @@ def draft_race(draft_scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
     columns = torch.arange(draft_scores.shape[-1], device=draft_scores.device) + DRAFT_COLUMN
     noise = exponential_at(seeds, steps, columns)
     return (draft_scores - noise.log()).argmax(dim=-1)
+
+
+def _emitted_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int):
+    """logprobs_of at every position: raw [n, m, V], token_ids [n, m] (-1 past the row's
+    tokens) -> [n, m], [n, m, k], [n, m, k]."""
+    n, m, vocab = raw.shape
+    ids = token_ids.clamp(min=0).reshape(n * m)
+    chosen, top_ids, top_logprobs = logprobs_of(raw.reshape(n * m, vocab), ids, k)
+    return chosen.view(n, m), top_ids.view(n, m, k), top_logprobs.view(n, m, k)
 
 
 def _verify_greedy(logits, proposed, num_proposed):

@@ -73,14 +73,7 @@ class MaskFiller:
     def start(self, rows: Sequence[GrammarMatcher | None]) -> None:
         if self._pending is not None:
             raise RuntimeError("MaskFiller.start called twice without result()")
-        if len(rows) > self._buffers[0].shape[0]:
-            raise ValueError(
-                f"batch of {len(rows)} exceeds the filler's {self._buffers[0].shape[0]}"
-            )
-        copied = self._copied[self._turn]
-        if copied is not None:
-            copied.synchronize()  # this buffer's copy was issued two steps ago; long done
-        buffer = self._buffers[self._turn][: len(rows)]
+        buffer = self._next_buffer(len(rows))
         self._pending = self._worker.submit(self._fill, buffer, list(rows))
 
     def result(self, device: torch.device | str) -> torch.Tensor | None:
@@ -92,7 +85,29 @@ class MaskFiller:
             raise RuntimeError("MaskFiller.result called without start()")
         pending, self._pending = self._pending, None  # reset first: a failed fill raises here
         turn, self._turn = self._turn, self._turn ^ 1
-        mask = pending.result()
+        return self._upload(pending.result(), turn, device)
+
+    def fill(
+        self, rows: Sequence[GrammarMatcher | None], device: torch.device | str
+    ) -> torch.Tensor | None:
+        """`start(rows)` and `result(device)` on the calling thread, with no hand-off: for a
+        caller with nothing to do meanwhile (llguidance's filler still fills rows in parallel,
+        the GIL released)."""
+        if self._pending is not None:
+            raise RuntimeError("MaskFiller.fill called between start() and result()")
+        buffer = self._next_buffer(len(rows))
+        turn, self._turn = self._turn, self._turn ^ 1
+        return self._upload(self._fill(buffer, list(rows)), turn, device)
+
+    def _next_buffer(self, batch: int) -> torch.Tensor:
+        if batch > self._buffers[0].shape[0]:
+            raise ValueError(f"batch of {batch} exceeds the filler's {self._buffers[0].shape[0]}")
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()  # this buffer's copy was issued two steps ago; long done
+        return self._buffers[self._turn][:batch]
+
+    def _upload(self, mask: torch.Tensor | None, turn: int, device: torch.device | str):
         device = torch.device(device)
         if mask is None or device.type == "cpu":
             return mask

@@ -118,7 +118,7 @@ def _expert_sources(module: str, leaf: str, config: ModelConfig) -> list[Source]
             for i, part in enumerate(parts)
         ]
     interleaved = leaf.startswith("gate_up_proj")
-    if leaf.endswith("_bias"):
+    if leaf.endswith(("_bias", "_blocks", "_scales")):  # the last two: MXFP4 kept packed
         return [Source(f"{module}.{leaf}", None, interleaved=interleaved)]
     if moe.mxfp4:
         return [

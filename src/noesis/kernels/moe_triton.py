@@ -1,0 +1,395 @@
+"""The routed experts on CUDA in Triton: one launch per projection over all active experts, with
+the weights in the model dtype or MXFP4-packed (dequantized tile by tile inside the K loop).
+
+Two layouts of the (token, expert) pairs, both free of host syncs and of data-dependent shapes,
+so a CUDA graph captures them:
+- few pairs (decode): each pair is its own row, a GEMV against its expert's weights. gate_up
+  runs over (pair, column block) programs; down over (token, column block) programs that loop
+  over the token's k experts, apply the routing weights and sum, so nothing follows the kernel.
+- more pairs: the pairs are sorted by expert on the device into blocks of BLOCK_M rows, each
+  expert's rows padded to a whole block in buffers sized for the worst case (as fused-MoE
+  kernels do); each block runs a tiled tl.dot against its one expert. down writes each pair's
+  weighted row in float32 and a sum over the k slots finishes.
+
+MXFP4 (gpt-oss's layout, weights/mxfp4.py): blocks [E, N, K / 32, 16] uint8 hold two E2M1 codes
+per byte (the low nibble first), scales [E, N, K / 32] uint8 biased exponents. A byte tile
+decodes to its even (low) and odd (high) columns, which meet the even and odd columns of x.
+Every sum is float32; values are rounded to the model dtype where the PyTorch path rounds them
+(after each projection, after the activation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from noesis.weights.mxfp4 import Mxfp4Weight
+
+Weight = torch.Tensor | Mxfp4Weight
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Columns per program, the K tile and warps of one kernel."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+# Decode, (gate_up, down) by MXFP4 or not: narrow column blocks, so that even one token's pairs
+# fill the GPU; MXFP4 reads half as many bytes per K tile, so its tiles are longer. The best of
+# a sweep on the H100 at batch 1 (gpt-oss-20b and Qwen3-30B-A3B shapes, RESULTS.md).
+GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(16, 256, 4)),
+              True: (Tiles(8, 512, 4), Tiles(8, 1024, 4))}  # fmt: skip
+SORTED = Tiles(64, 64, 4)
+
+
+def uses_gemv(num_pairs: int, num_experts: int, top_k: int) -> bool:
+    """Pairs as rows while they are few against the experts (repeats of an expert are rare and
+    sorting would cost more than they do): up to a quarter of the experts, at least top_k."""
+    return num_pairs <= max(top_k, num_experts // 4)
+
+
+def block_rows(num_pairs: int, num_experts: int) -> int:
+    """Rows per sorted block: small while each expert gets few pairs (padding is wasted work)."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def experts(
+    x: torch.Tensor,  # [T, H]
+    ids: torch.Tensor,  # [T, k]
+    weights: torch.Tensor,  # [T, k]
+    gate_up: Weight,  # [E, 2I, H]
+    down: Weight,  # [E, H, I]
+    limit: float | None,
+    alpha: float,
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    down_bias: torch.Tensor | None = None,  # [E, H]
+) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype; the
+    activation is silu(gate) * up, or gpt-oss's clamped SwiGLU when `limit` is set."""
+    _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias)
+    tokens, top_k = ids.shape
+    if tokens == 0:
+        return torch.empty_like(x)
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    glu = dict(limit=0.0 if limit is None else float(limit), alpha=float(alpha))
+    glu["CLAMP"] = limit is not None
+    act = torch.empty(tokens * top_k, down.shape[2], dtype=x.dtype, device=x.device)  # [P, I]
+    if uses_gemv(tokens * top_k, gate_up.shape[0], top_k):
+        return _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
+    return _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
+
+
+def align_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Pair ids [P] -> (rows [R] int32: the pair in each row, P on padding rows; experts [B]
+    int32: the expert of each block of block_m rows, -1 past the last used block). R = B *
+    block_m with B = ceil(P / block_m) + min(E, P), enough whatever the routing; no host sync."""
+    num_pairs = flat_ids.numel()
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    device = flat_ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # bincount would sync
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)  # [E]
+    order = torch.argsort(flat_ids, stable=True)  # [P] pairs grouped by expert
+    expert_of = flat_ids[order]
+    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    dest = (block_end - blocks)[expert_of] * block_m + rank
+    rows = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    rows[dest] = order.to(torch.int32)
+    block_ids = torch.arange(num_blocks, device=device)
+    experts = torch.searchsorted(block_end, block_ids, right=True)  # E past the used blocks
+    experts = torch.where(experts < num_experts, experts, -1).to(torch.int32)
+    return rows, experts
+
+
+def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
+    tokens, top_k = ids.shape
+    hidden, inner = x.shape[1], act.shape[1]
+    out = torch.empty_like(x)
+    tiles = GEMV_TILES[isinstance(gate_up, Mxfp4Weight)][0]
+    _gemv_gate_up[(tokens * top_k, triton.cdiv(inner, tiles.block_n))](
+        x, ids, *_operands(gate_up), _or(gate_up_bias, x), act, glu["limit"], glu["alpha"],
+        TOP_K=top_k, H=hidden, I=inner, MXFP4=isinstance(gate_up, Mxfp4Weight),
+        HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"], BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    tiles = GEMV_TILES[isinstance(down, Mxfp4Weight)][1]
+    _gemv_down[(tokens, triton.cdiv(hidden, tiles.block_n))](
+        act, ids, weights, *_operands(down), _or(down_bias, x), out,
+        TOP_K=top_k, H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
+        HAS_BIAS=down_bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
+    tokens, top_k = ids.shape
+    hidden, inner = x.shape[1], act.shape[1]
+    num_pairs = tokens * top_k
+    block_m = block_rows(num_pairs, gate_up.shape[0])
+    rows, block_experts = align_by_expert(ids.flatten(), gate_up.shape[0], block_m)
+    num_blocks = block_experts.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    tiles = SORTED
+    _sorted_gate_up[(num_blocks, triton.cdiv(inner, tiles.block_n))](
+        x, rows, block_experts, *_operands(gate_up), _or(gate_up_bias, x), act, num_pairs,
+        glu["limit"], glu["alpha"], TOP_K=top_k, H=hidden, I=inner,
+        MXFP4=isinstance(gate_up, Mxfp4Weight), HAS_BIAS=gate_up_bias is not None,
+        CLAMP=glu["CLAMP"], BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        PRECISION=precision, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    partial = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
+    _sorted_down[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
+        act, rows, block_experts, weights, *_operands(down), _or(down_bias, x), partial,
+        num_pairs, H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
+        HAS_BIAS=down_bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, PRECISION=precision, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return partial.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def _operands(weight: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values or MXFP4 blocks, MXFP4 scales or the values again as an unused pointer)."""
+    if isinstance(weight, Mxfp4Weight):
+        return weight.blocks, weight.scales
+    return weight, weight
+
+
+def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    return placeholder if tensor is None else tensor
+
+
+def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
+    num_experts, two_inner, hidden = gate_up.shape
+    inner = two_inner // 2
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x {list(x.shape)} does not match gate_up {list(gate_up.shape)}")
+    if tuple(down.shape) != (num_experts, hidden, inner):
+        raise ValueError(f"down {list(down.shape)} does not match gate_up {list(gate_up.shape)}")
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids {list(ids.shape)} and weights {list(weights.shape)} must both "
+                         f"be [{x.shape[0]}, k]")  # fmt: skip
+    for name, tensor in (("gate_up", gate_up), ("down", down)):
+        if isinstance(tensor, Mxfp4Weight):
+            if not (tensor.blocks.is_contiguous() and tensor.scales.is_contiguous()):
+                raise ValueError(f"{name}'s MXFP4 blocks and scales must be contiguous")
+        elif tensor.dtype != x.dtype or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {x.dtype}, got {tensor.dtype}")
+    for name, bias, size in (
+        ("gate_up_bias", gate_up_bias, two_inner),
+        ("down_bias", down_bias, hidden),
+    ):
+        if bias is not None and (
+            tuple(bias.shape) != (num_experts, size) or not bias.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name} {list(bias.shape)} is not a contiguous [{num_experts}, {size}]"
+            )
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_gate_up(
+    x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, limit, alpha,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T): one pair, BLOCK_N columns of gate and
+    the same of up, read as 2 * BLOCK_N interleaved rows (gate, up, gate, ...)."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    r = tl.arange(0, 2 * BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + r // 2
+    rows = cols + (r % 2) * I
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * H
+    acc = _gemv(x_row, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4, 2 * BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * 2 * I + rows, mask=cols < I, other=0.0).to(tl.float32)
+    gate, up = tl.split(tl.reshape(acc.to(act_ptr.dtype.element_ty), (BLOCK_N, 2)))
+    hidden = _glu(gate.to(tl.float32), up.to(tl.float32), limit, alpha, CLAMP)
+    out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    hidden = hidden.to(act_ptr.dtype.element_ty)
+    tl.store(act_ptr + pair.to(tl.int64) * I + out_cols, hidden, mask=out_cols < I)
+
+
+@triton.jit
+def _gemv_down(
+    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[t, cols] = sum over the token's k pairs of weight * (act[p] @ down[ids[p]].T)."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        act_row = act_ptr + pair.to(tl.int64) * I
+        y = _gemv(act_row, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + expert * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        total += tl.load(weights_ptr + pair).to(tl.float32) * y
+    total = total.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token.to(tl.int64) * H + cols, total, mask=col_ok)
+
+
+@triton.jit
+def _sorted_gate_up(
+    x_ptr, rows_ptr, experts_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, num_pairs, limit, alpha,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_M pairs of one expert, BLOCK_N columns of gate and of up."""
+    expert = tl.load(experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    r = tl.arange(0, 2 * BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + r // 2
+    rows = cols + (r % 2) * I
+    x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * H
+    acc = _tile_matmul(x_rows, pair_ok, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4,
+                       BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * 2 * I + rows, mask=cols < I, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    gate, up = tl.split(tl.reshape(acc.to(act_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N, 2)))
+    hidden = _glu(gate.to(tl.float32), up.to(tl.float32), limit, alpha, CLAMP)
+    out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = act_ptr + pairs.to(tl.int64)[:, None] * I + out_cols[None, :]
+    hidden = hidden.to(act_ptr.dtype.element_ty)
+    tl.store(out, hidden, mask=pair_ok[:, None] & (out_cols < I)[None, :])
+
+
+@triton.jit
+def _sorted_down(
+    act_ptr, rows_ptr, experts_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, num_pairs,
+    H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out[p, cols] = weight[p] * (act[p] @ down[expert].T) in float32, for a block of pairs."""
+    expert = tl.load(experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    act_rows = act_ptr + pairs.to(tl.int64) * I
+    acc = _tile_matmul(act_rows, pair_ok, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4,
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * H + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    acc = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
+    acc *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(out, acc, mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.constexpr,
+          MXFP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles. MXFP4 sums each block of
+    32 products unscaled, then scales the block's sum once."""
+    if MXFP4:
+        acc = tl.zeros((ROWS, BLOCK_K // 32), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            x_even = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_row + cols + 1, mask=cols < K, other=0.0).to(tl.float32)
+            packed, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, k0, N, K, BLOCK_K)
+            prod = _e2m1(packed & 15) * x_even[None, :] + _e2m1(packed >> 4) * x_odd[None, :]
+            acc += tl.sum(tl.reshape(prod, (ROWS, BLOCK_K // 32, 16)), axis=2) * scale
+    else:
+        acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + expert * N * K + rows[:, None] * K + cols[None, :],
+                        mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+            acc += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _tile_matmul(x_rows, x_ok, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr,
+                 K: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """x[BLOCK_M rows at x_rows] @ W[expert, rows].T -> [BLOCK_M, ROWS] float32."""
+    acc = tl.zeros((BLOCK_M, ROWS), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if MXFP4:
+            cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            ok = x_ok[:, None] & (cols < K)[None, :]
+            x_even = tl.load(x_rows[:, None] + cols[None, :], mask=ok, other=0.0)
+            x_odd = tl.load(x_rows[:, None] + cols[None, :] + 1, mask=ok, other=0.0)
+            packed, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, k0, N, K, BLOCK_K)
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // 32, 16)),
+                               (ROWS, BLOCK_K // 2))  # fmt: skip
+            lo = (_e2m1(packed & 15) * scale).to(x_even.dtype)
+            hi = (_e2m1(packed >> 4) * scale).to(x_odd.dtype)
+            acc = tl.dot(x_even, tl.trans(lo), acc, input_precision=PRECISION)
+            acc = tl.dot(x_odd, tl.trans(hi), acc, input_precision=PRECISION)
+        else:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows[:, None] + cols[None, :],
+                        mask=x_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+            w = tl.load(w_ptr + expert * N * K + rows[:, None] * K + cols[None, :],
+                        mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _mxfp4_load(b_ptr, s_ptr, expert, rows, row_ok, k0, N: tl.constexpr, K: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """Columns k0 .. k0 + BLOCK_K of W[expert, rows]: the code bytes [ROWS, BLOCK_K / 2] and the
+    blocks' scales [ROWS, BLOCK_K / 32] as float32, times 2^14 (what `_e2m1` leaves out)."""
+    BYTES: tl.constexpr = K // 2  # per row
+    GROUPS: tl.constexpr = K // 32
+    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
+    packed = tl.load(b_ptr + expert * N * BYTES + rows[:, None] * BYTES + j[None, :],
+                     mask=row_ok[:, None] & (j < BYTES)[None, :], other=0)  # fmt: skip
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    exponent = tl.load(s_ptr + expert * N * GROUPS + rows[:, None] * GROUPS + g[None, :],
+                       mask=row_ok[:, None] & (g < GROUPS)[None, :], other=0)  # fmt: skip
+    # 2^(e - 127 + 14) built as a float32's bits: exact for biased exponents e <= 240
+    scale = ((exponent.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    return packed, scale
+
+
+@triton.jit
+def _e2m1(code):
+    """4-bit E2M1 codes (sign, 2 exponent bits, 1 mantissa bit) -> their values * 2^-14 in
+    float32: the code's bits placed under float16's sign, exponent and mantissa make exactly
+    that number, subnormal 0.5 included, in a shift, a mask and a conversion."""
+    c = code.to(tl.int16)
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _glu(gate, up, limit, alpha, CLAMP: tl.constexpr):
+    if CLAMP:  # gpt-oss
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1) * gate * tl.sigmoid(gate * alpha)
+    return gate * tl.sigmoid(gate) * up

@@ -1,0 +1,133 @@
+"""The fused MoE kernels (kernels/moe_triton.py) interpreted on the CPU against the PyTorch
+gather/scatter path: both layouts of the pairs, bf16-shaped and MXFP4 weights, top-k 2 and 4,
+biases and gpt-oss's clamped activation. float32 throughout where tl.dot runs (the interpreter's
+bf16 tl.dot is wrong); bf16 on the GEMV layout. Real shapes and graphs: tests/gpu."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from noesis.kernels import moe, moe_triton  # noqa: E402
+from noesis.weights.mxfp4 import Mxfp4Weight  # noqa: E402
+
+EXPERTS, HIDDEN, INNER = 8, 32, 32
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """Tiles the size of the problem: the interpreter's cost is the elements it touches."""
+    tiles = (moe_triton.Tiles(16, 64, 4), moe_triton.Tiles(32, 32, 4))
+    monkeypatch.setattr(moe_triton, "GEMV_TILES", {False: tiles, True: tiles})
+    monkeypatch.setattr(moe_triton, "SORTED", moe_triton.Tiles(16, 32, 4))
+
+
+def _problem(tokens, top_k, mxfp4, biases, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
+
+    def weight(rows, cols):
+        if mxfp4:
+            blocks = torch.randint(0, 256, (EXPERTS, rows, cols // 32, 16), dtype=torch.uint8,
+                                   generator=gen)  # fmt: skip
+            scales = torch.randint(120, 125, (EXPERTS, rows, cols // 32), dtype=torch.uint8,
+                                   generator=gen)  # fmt: skip
+            return Mxfp4Weight(blocks, scales)
+        return (torch.randn(EXPERTS, rows, cols, generator=gen) * 0.2).to(dtype)
+
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    up_bias = torch.randn(EXPERTS, 2 * INNER, generator=gen).to(dtype) if biases else None
+    down_bias = torch.randn(EXPERTS, HIDDEN, generator=gen).to(dtype) if biases else None
+    return x, ids, weights, weight(2 * INNER, HIDDEN), weight(HIDDEN, INNER), up_bias, down_bias
+
+
+def _compare(tokens, top_k, mxfp4, biases, limit, dtype=torch.float32, tol=1e-5):
+    x, ids, weights, gate_up, down, up_bias, down_bias = _problem(tokens, top_k, mxfp4, biases,
+                                                                  dtype)  # fmt: skip
+    activation = moe.Activation(limit)
+    dense = [w.dequantize(dtype) if mxfp4 else w for w in (gate_up, down)]
+    ref = moe.gathered(x, ids, weights, *dense, activation, up_bias, down_bias)
+    ours = moe_triton.experts(x, ids, weights, gate_up, down, limit, activation.alpha, up_bias,
+                              down_bias)  # fmt: skip
+    assert ours.dtype == x.dtype and ours.shape == x.shape
+    scale = ref.abs().max().item()
+    assert torch.allclose(ours.float(), ref.float(), rtol=tol, atol=tol * scale), (
+        (ours.float() - ref.float()).abs().max().item(),
+        scale,
+    )
+
+
+@pytest.mark.parametrize(
+    "tokens, top_k, mxfp4, biases, limit, gemv",
+    [
+        (1, 2, False, False, None, True),  # Qwen3 / Mixtral style
+        (1, 4, True, True, 7.0, True),  # gpt-oss
+        (2, 1, True, False, None, True),  # MXFP4 with SiLU-GLU, two tokens
+        (3, 2, False, True, 7.0, False),
+        (5, 4, True, True, 7.0, False),  # gpt-oss; experts repeat and pad their blocks
+    ],
+)
+def test_fused_experts_equal_the_gather_path(tokens, top_k, mxfp4, biases, limit, gemv):
+    assert moe_triton.uses_gemv(tokens * top_k, EXPERTS, top_k) == gemv
+    _compare(tokens, top_k, mxfp4, biases, limit)
+
+
+def test_bf16_gemv_rounds_where_the_reference_does():
+    _compare(1, 4, True, True, 7.0, torch.bfloat16, tol=2e-2)
+
+
+def test_align_by_expert_pads_each_expert_to_whole_blocks():
+    ids = torch.tensor([3, 1, 3, 3, 0, 1, 3])  # pairs 0..6
+    rows, experts = moe_triton.align_by_expert(ids, num_experts=5, block_m=2)
+    # expert 0: pair 4 + pad; expert 1: pairs 1, 5; expert 3: pairs 0, 2 | 3, 6; then unused
+    assert rows.tolist()[:10] == [4, 7, 1, 5, 0, 2, 3, 6, 7, 7]
+    assert experts.tolist() == [0, 1, 3, 3] + [-1] * (len(experts) - 4)
+    assert len(experts) == 4 + 5  # ceil(7 / 2) + min(E, P): enough for any routing
+
+
+def test_bad_shapes_are_named():
+    x, ids, weights, gate_up, down, _, _ = _problem(1, 2, False, False)
+    with pytest.raises(ValueError, match="down"):
+        moe_triton.experts(x, ids, weights, gate_up, down[:, :, :16], None, 1.702)
+    with pytest.raises(ValueError, match="ids"):
+        moe_triton.experts(x, ids[:, :1], weights, gate_up, down, None, 1.702)
+
+
+def test_packed_experts_refuse_the_cpu_path():
+    x, ids, weights, gate_up, down, _, _ = _problem(1, 2, True, False)
+    with pytest.raises(ValueError, match="CUDA only"):
+        moe.experts(x, ids, weights, gate_up, down, moe.Activation())
+
+
+def test_mxfp4_experts_load_packed_and_info_prices_them(checkpoints, tmp_path):
+    """What a CUDA load does, on the CPU: packed parameters filled straight from the checkpoint
+    (gate / up de-interleaved) dequantize to what the default load holds; `noesis info` prices
+    the packed experts."""
+    from test_families_moe import _mxfp4_checkpoints
+
+    from noesis.engine.loading import describe_checkpoint, load_model
+    from noesis.models.moe import Experts
+    from noesis.weights import mxfp4
+    from noesis.weights.loader import load_weights
+
+    packed_dir, _ = _mxfp4_checkpoints(checkpoints, tmp_path)
+    loaded = load_model(packed_dir, device="cpu", dtype="float32", progress=False)
+    with torch.device("meta"):
+        model = type(loaded.model)(loaded.config)
+    assert mxfp4.pack_experts(model) > 0
+    model = model.to_empty(device="cpu")
+    load_weights(model, loaded.config, packed_dir, progress=False)
+    pairs = [(m, n) for m, n in zip(model.modules(), loaded.model.modules(), strict=True)
+             if isinstance(m, Experts)]  # fmt: skip
+    for ours, default in pairs:
+        assert ours.gate_up_proj_blocks.dtype == torch.uint8
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(ours._projection(name).dequantize(), getattr(default, name))
+    info = describe_checkpoint(packed_dir)
+    assert "dequantized" in info["weights in memory"] and "packed" in info["mxfp4 experts"]
