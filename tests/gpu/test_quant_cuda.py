@@ -148,10 +148,56 @@ def test_fp8_decode_kernel_matches_dequantized_reference_compiled():
         assert rel_err(got, want) < 2e-2
 
 
+def test_fp8_cache_writes_store_what_quantize_stores_compiled():
+    """The RoPE + store kernel (prefill, batched decode) and the fused one-row qkv kernel
+    (batch-1 decode), compiled, into fp8 pages: at every slot, bit for bit the bytes of
+    noesis.kv.fp8.quantize of the kernel's own rotated k and its v."""
+    from noesis.kernels import pointwise, rope, row_gemv
+    from noesis.kv.fp8 import FP8LayerCache, quantize, scales_from_amax
+    from noesis.models.rope import apply_rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    hidden, heads, kv_heads, head_dim, tokens = 4096, 32, 8, 128, 7
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    angles = torch.rand(tokens, head_dim // 2, device="cuda", generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    cache = FP8LayerCache.empty((2, 8, 16, kv_heads, head_dim), torch.device("cuda"))
+    cache.scales.copy_(scales_from_amax(torch.rand(2, kv_heads, device="cuda", generator=gen)
+                                        * 4 + 0.5))
+    stored = cache.data.view(torch.uint8).view(2, -1, kv_heads, head_dim)
+
+    def assert_stored(slots, k, v):
+        assert torch.equal(stored[0, slots], quantize(k, cache.scales[0]).view(torch.uint8))
+        assert torch.equal(stored[1, slots], quantize(v, cache.scales[1]).view(torch.uint8))
+
+    qkv = torch.randn(tokens, sum(sizes), device="cuda", generator=gen).bfloat16() * 2
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split(sizes, -1))
+    want_k = apply_rotary(k.clone(), cos, sin)
+    slots = torch.randperm(128, device="cuda", generator=gen)[:tokens]
+    rope.rope_write_kv(q, k, v, cos, sin, slots, cache.data[0], cache.data[1], cache.scales)
+    assert rel_err(k, want_k) < 1e-2
+    assert_stored(slots, k, v)
+    x = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    norm = torch.rand(hidden, device="cuda", generator=gen).bfloat16() + 0.5
+    weight = (torch.randn(sum(sizes), hidden, device="cuda", generator=gen) * hidden**-0.5
+              ).bfloat16()
+    slot = (slots[:1] + 1) % 128  # (may be one the batch wrote: checked above)
+    got = row_gemv.norm_qkv_rope_store(x, norm, 1e-5, weight, heads, kv_heads, cos[:1], sin[:1],
+                                       slot, cache.data[0], cache.data[1],
+                                       kv_scales=cache.scales)
+    want = torch.nn.functional.linear(pointwise.add_rms_norm(x, None, norm, 1e-5)[0], weight)
+    _, k, v = (t.view(1, -1, head_dim) for t in got.split(sizes, -1))
+    want_k = apply_rotary(want.split(sizes, -1)[1].view(1, -1, head_dim), cos[:1], sin[:1])
+    assert rel_err(k, want_k) < 1e-2
+    assert_stored(slot, k, v)
+
+
 @pytest.mark.skipif(not BUNDLED.is_dir(), reason="models/noesis-tiny not present")
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_fp8_kv_greedy_tokens_equal_bf16_kv(graphs):
+def test_fp8_kv_greedy_tokens_equal_bf16_kv(graphs, monkeypatch):
+    """Batch-1 decode on the fused one-row block, which writes the fp8 pages itself."""
     from noesis import LLM
+    from noesis.kernels import row_gemv
 
     options = dict(device="cuda", dtype="bfloat16", progress=False, cuda_graphs=graphs,
                    max_model_len=1024, max_num_batched_tokens=16)
@@ -161,9 +207,15 @@ def test_fp8_kv_greedy_tokens_equal_bf16_kv(graphs):
                                      "in Paris."}])
     want_ids, want_lps = noesis_greedy(reference, prompt, 40)
     del reference
+    fp8_writes = []
+    fused_qkv = row_gemv.norm_qkv_rope_store
+    monkeypatch.setattr(row_gemv, "norm_qkv_rope_store", lambda *a, **kw: fp8_writes.append(
+        kw["kv_scales"] is not None) or fused_qkv(*a, **kw))
     fp8 = LLM(str(BUNDLED), kv_cache_dtype="fp8", **options)
     assert fp8.engine.runner.attention.name == "triton-paged-fp8"
+    assert fp8.engine.runner.model.fuse_one_row
     ids, lps = noesis_greedy(fp8, prompt, 40)
+    assert fp8_writes and all(fp8_writes)
     assert ids == want_ids
     assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < 0.05
     assert (fp8.engine.runner.step_counts["graph"] > 0) == graphs

@@ -15,8 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from noesis.kernels import bitmask, ops, paged_decode, pointwise, rope, row_gemv  # noqa: E402
+from noesis.kernels.e4m3 import quantize_e4m3  # noqa: E402
+from noesis.kv.fp8 import FP8, quantize  # noqa: E402
 from noesis.models.rope import apply_rotary  # noqa: E402
 from noesis.runner.attention import TorchPagedAttention  # noqa: E402
 from noesis.runner.inputs import AttentionMetadata  # noqa: E402
@@ -119,6 +122,31 @@ def test_rope_write_kv_matches_reference(rotary_dim):
     assert torch.allclose(flat[0][slots], ref_k) and torch.allclose(flat[1][slots], ref_v)
     untouched = [s for s in range(16) if s not in slots.tolist()]
     assert flat[:, untouched].abs().sum() == 0
+
+
+@triton.jit
+def _quantize_e4m3(x_ptr, scale_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, quantize_e4m3(tl.load(x_ptr + i), tl.load(scale_ptr)))
+
+
+def test_e4m3_rounding_stores_the_bits_torchs_cast_stores():
+    """The fp8 KV writes' rounding (noesis.kernels.e4m3) against noesis.kv.fp8.quantize on
+    every finite e4m3 value, every midpoint between neighbours (ties go to the even one, some
+    carrying into the next binade), values past the range and under the subnormals, and both
+    zeros: the same bits."""
+    finite = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    finite = finite[~finite.isnan()].sort().values
+    ties = (finite[1:] + finite[:-1]) / 2
+    edges = torch.tensor([-0.0, 0.0, 500.0, -1e9, 1e-30, -1e-30, 2**-10, 3 * 2**-11])
+    x = torch.cat([finite, ties, edges])
+    x = torch.cat([x, torch.zeros(1024 - len(x))]).to(DEVICE)
+    for scale in (1.0, 0.37):
+        scale = torch.tensor([scale], device=DEVICE)
+        out = torch.empty(1024, dtype=FP8, device=DEVICE)
+        _quantize_e4m3[(1,)](x, scale, out, N=1024)
+        want = quantize(x[:, None], scale.view(1, 1)).view(-1)
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_exponential_race_kernel_samples_what_the_torch_sampler_samples():

@@ -78,6 +78,8 @@ def launches() -> dict[str, tuple]:
     bf16 = dict(dtype=torch.bfloat16)
     hidden, heads, kv_heads, head_dim = 4096, 32, 8, 128
     kv = torch.zeros(2, 64, 16, kv_heads, head_dim, **bf16)
+    fp8_kv = torch.zeros(2, 64, 16, kv_heads, head_dim, dtype=torch.float8_e4m3fn)
+    kv_scales = torch.ones(2, kv_heads, 1)
     cos, sin = torch.ones(1, head_dim), torch.zeros(1, head_dim)
     x, norm = torch.zeros(1, hidden, **bf16), torch.ones(hidden, **bf16)
     calls = {
@@ -99,6 +101,16 @@ def launches() -> dict[str, tuple]:
             0.1,
             512,
         ),
+        "paged decode, batch 1, fp8 cache": lambda: paged_decode.paged_decode_attention(
+            torch.zeros(1, heads, head_dim, **bf16),
+            fp8_kv[0],
+            fp8_kv[1],
+            torch.zeros(1, 32, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64),
+            0.1,
+            512,
+            kv_scales=kv_scales,
+        ),
         "add + RMSNorm": lambda: pointwise.add_rms_norm(
             torch.zeros(4, hidden, **bf16), torch.zeros(4, hidden, **bf16), norm, 1e-5
         ),
@@ -112,6 +124,17 @@ def launches() -> dict[str, tuple]:
             torch.zeros(4, dtype=torch.int64),
             kv[0],
             kv[1],
+        ),
+        "RoPE + KV write, fp8 cache": lambda: rope.rope_write_kv(
+            torch.zeros(4, heads, head_dim, **bf16),
+            torch.zeros(4, kv_heads, head_dim, **bf16),
+            torch.zeros(4, kv_heads, head_dim, **bf16),
+            torch.ones(4, head_dim),
+            torch.zeros(4, head_dim),
+            torch.zeros(4, dtype=torch.int64),
+            fp8_kv[0],
+            fp8_kv[1],
+            kv_scales,
         ),
         "exponential race": lambda: race_kernel.exponential_race(
             torch.zeros(2, 128256),
@@ -162,6 +185,20 @@ def launches() -> dict[str, tuple]:
             kv[0],
             kv[1],
         ),
+        "one-row norm + qkv + RoPE + fp8 KV write": lambda: row_gemv.norm_qkv_rope_store(
+            x,
+            norm,
+            1e-5,
+            torch.zeros((heads + 2 * kv_heads) * head_dim, hidden, **bf16),
+            heads,
+            kv_heads,
+            cos,
+            sin,
+            torch.zeros(1, dtype=torch.int64),
+            fp8_kv[0],
+            fp8_kv[1],
+            kv_scales=kv_scales,
+        ),
         "one-row norm + LM head": lambda: row_gemv.norm_logits(
             x, norm, 1e-5, torch.zeros(128256, hidden, **bf16)
         ),
@@ -199,6 +236,7 @@ TYPES = {
     "torch.int32": "i32",
     "torch.uint8": "u8",
     "torch.bool": "i1",
+    "torch.float8_e4m3fn": "fp8e4nv",
 }
 
 
@@ -291,7 +329,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(reports):
         for name, value in vars(module).items()
         if hasattr(value, "arg_names")
     }
-    helpers = {"_mix32", "_x_tile"}  # called inside kernels, compiled with them
+    helpers = {"_mix32", "_x_tile", "quantize_e4m3"}  # called inside kernels, compiled with them
     assert {report["kernel"] for report in reports.values()} == kernels - helpers  # all of them
     for name, report in reports.items():
         ptxas = report["ptxas"]
@@ -309,7 +347,7 @@ def test_programmatic_dependent_launch_compiles_in_where_asked(reports):
 
 def test_one_row_gemvs_read_weights_in_16_byte_loads(reports):
     rows = {name: r for name, r in reports.items() if name.startswith("one-row")}
-    assert len(rows) == 7
+    assert len(rows) == 8
     for name, report in rows.items():
         # each weight tile (two in the paired modes) in one or more 16-byte loads per thread;
         # scalar loads would leave none

@@ -15,6 +15,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from noesis.kv.fp8 import FP8LayerCache
+
 TRITON = True  # EngineConfig.triton_kernels: False runs the PyTorch ops on CUDA too
 
 
@@ -107,10 +109,13 @@ def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: to
 def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
                         kv_cache):
     """rms_norm(x) through the fused qkv projection, q and k rotated, k and v written to the
-    paged cache [2, pages, page_size, Hkv, d] at slots[0]: one Triton kernel for one token."""
+    paged cache [2, pages, page_size, Hkv, d] at slots[0] (an FP8LayerCache: quantized with its
+    per-head scales as they are written): one Triton kernel for one token."""
+    pages, scales = ((kv_cache.data, kv_cache.scales) if isinstance(kv_cache, FP8LayerCache)
+                     else (kv_cache, None))
     return _triton().row_gemv.norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads,
-                                                  num_kv_heads, cos, sin, slots, kv_cache[0],
-                                                  kv_cache[1])
+                                                  num_kv_heads, cos, sin, slots, pages[0],
+                                                  pages[1], kv_scales=scales)
 
 
 def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:

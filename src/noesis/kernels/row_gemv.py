@@ -1,5 +1,6 @@
 """Triton one-row projections for batch-1 decode, with their neighbours fused: RMSNorm before,
-SiLU-and-multiply or RoPE plus the KV-cache write after, the residual added.
+SiLU-and-multiply or RoPE plus the KV-cache write (bf16, or fp8 with per-head scales) after, the
+residual added.
 
 Compared with the unfused steps in tests/unit/test_kernels.py under TRITON_INTERPRET=1 on a CPU, and
 compiled for sm_90 in tests/unit/test_kernels_compile.py.
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from noesis.kernels import pdl
+from noesis.kernels.e4m3 import quantize_e4m3
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 PLAIN, GLU, QKV = 0, 1, 2  # _row_gemv modes; a kernel reads only constexpr globals:
@@ -26,11 +28,11 @@ _PLAIN, _GLU, _QKV = tl.constexpr(PLAIN), tl.constexpr(GLU), tl.constexpr(QKV)
 @triton.jit
 def _row_gemv(
     x_ptr, norm_ptr, w_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-    N, eps, stride_slot, stride_cache_head,
+    kv_scales_ptr, N, eps, stride_slot, stride_cache_head,
     K: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PAIR: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, FP8: tl.constexpr,
 ):
     """y = W @ f(x) for one row x [K], ROWS output rows per program (two blocks of them, PAIR
     rows apart, in the GLU and QKV modes), the whole of K in BLOCK_K tiles, no split-K.
@@ -41,7 +43,9 @@ def _row_gemv(
     from L2). PLAIN: y = W f(x), plus res when RESIDUAL. GLU: W is [gate | up], PAIR = I
     apart; y [I] = silu(gate) * up. QKV: W is [q heads | k heads | v heads]; a program takes
     ROWS rows from each half of one head (PAIR = HEAD_DIM / 2), rotates q and k with cos/sin
-    [HEAD_DIM / 2], and stores k and v at the cache slot as well as in y.
+    [HEAD_DIM / 2], and stores k and v at the cache slot as well as in y. FP8: the cache is
+    e4m3 and gets k and v over their head's scale (kv_scales_ptr [2, Hkv]), as
+    noesis.kv.fp8.quantize rounds them; y keeps them unscaled.
 
     Every value is rounded to the model dtype where the unfused kernels round it."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model's; y may be float32 (logits)
@@ -106,13 +110,19 @@ def _row_gemv(
         tl.store(y_ptr + rows + PAIR, second)
         if head >= NUM_HEADS:
             slot = tl.load(slot_ptr)
-            if head < NUM_HEADS + NUM_KV_HEADS:
-                dst = k_cache_ptr + slot * stride_slot + (head - NUM_HEADS) * stride_cache_head
+            kv_head = head - NUM_HEADS  # 0..2 Hkv - 1: k heads, then v heads
+            if kv_head < NUM_KV_HEADS:
+                dst = k_cache_ptr + slot * stride_slot + kv_head * stride_cache_head
             else:
                 dst = (v_cache_ptr + slot * stride_slot
-                       + (head - NUM_HEADS - NUM_KV_HEADS) * stride_cache_head)
-            tl.store(dst + j, first)
-            tl.store(dst + j + PAIR, second)
+                       + (kv_head - NUM_KV_HEADS) * stride_cache_head)
+            if FP8:  # kv_scales [2, Hkv] flat: k's scales, then v's, in kv_head's order
+                scale = tl.load(kv_scales_ptr + kv_head)
+                tl.store(dst + j, quantize_e4m3(first, scale))
+                tl.store(dst + j + PAIR, quantize_e4m3(second, scale))
+            else:
+                tl.store(dst + j, first)
+                tl.store(dst + j + PAIR, second)
 
 
 @triton.jit
@@ -154,7 +164,7 @@ def row_gemv_config(mode: int, weight: torch.Tensor) -> tuple[int, int, int, int
 
 
 def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0,
-                     residual=None, pair=0, rope=None, heads=(0, 0, 0)):
+                     residual=None, pair=0, rope=None, heads=(0, 0, 0), kv_scales=None):
     rows, block_k, warps, stages = config or row_gemv_config(mode, weight)
     n, k = weight.shape
     assert x.shape == (1, k) and weight.is_contiguous()
@@ -164,10 +174,12 @@ def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0
     _row_gemv[(programs(rows),)](
         x, norm if norm is not None else x, weight, y,
         residual if residual is not None else x, cos, sin, slots, k_cache, v_cache,
-        y.shape[-1], eps, k_cache.stride(0) if rope else 0, k_cache.stride(1) if rope else 0,
+        kv_scales if kv_scales is not None else x, y.shape[-1], eps,
+        k_cache.stride(0) if rope else 0, k_cache.stride(1) if rope else 0,
         K=k, MODE=mode, NORM=norm is not None, RESIDUAL=residual is not None, ROWS=rows,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)), STAGES=stages, PAIR=pair,
-        HEAD_DIM=heads[2], NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1], num_warps=warps,
+        HEAD_DIM=heads[2], NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1],
+        FP8=kv_scales is not None, num_warps=warps,
         **pdl.pdl_launch(x),
     )
     return y
@@ -203,10 +215,11 @@ def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: to
 
 
 def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
-                        k_cache, v_cache, config=None) -> torch.Tensor:
+                        k_cache, v_cache, config=None, kv_scales=None) -> torch.Tensor:
     """The fused qkv projection of rms_norm(x) for one token x [1, K], q and k rotated (cos/sin
     [1, head_dim], equal halves), k and v stored at cache slot slots[0] (caches [pages,
-    page_size, Hkv, d]). Returns qkv [1, (H + 2 Hkv) d], rotated."""
+    page_size, Hkv, d]; an fp8 cache with its `kv_scales` [2, Hkv(, 1)] float32 stores
+    noesis.kv.fp8.quantize of them). Returns qkv [1, (H + 2 Hkv) d], rotated, unscaled."""
     heads = num_heads + 2 * num_kv_heads
     head_dim = qkv.shape[0] // heads
     half = head_dim // 2
@@ -216,10 +229,12 @@ def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, 
     assert cos.shape[-1] == head_dim and slots.numel() >= 1
     assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1
     assert v_cache.stride()[:2] == k_cache.stride()[:2]
+    assert (kv_scales is not None) == (k_cache.dtype == torch.float8_e4m3fn)
+    assert kv_scales is None or kv_scales.is_contiguous() and kv_scales.numel() == 2 * num_kv_heads
     y = torch.empty(1, qkv.shape[0], device=x.device, dtype=x.dtype)
     return _launch_row_gemv(
         QKV, x, qkv, y, lambda rows: heads * (half // rows), config, norm=norm_weight, eps=eps,
         pair=half, rope=(cos, sin, slots, k_cache.view(-1, *k_cache.shape[2:]),
                          v_cache.view(-1, *v_cache.shape[2:])),
-        heads=(num_heads, num_kv_heads, head_dim),
+        heads=(num_heads, num_kv_heads, head_dim), kv_scales=kv_scales,
     )

@@ -55,7 +55,8 @@ def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [T, Hkv, d] / scale [Hkv, 1] as e4m3, clamped to its finite range (a cast past it
-    gives NaN, not the largest value)."""
+    gives NaN, not the largest value). The Triton writes store the same bits
+    (noesis.kernels.e4m3)."""
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 

@@ -3,20 +3,20 @@ the pages as stored, and the calibration forward that fixes the per-head scales 
 
 - FP8TorchAttention (CPU, MPS): writes quantized keys/values; every read (prefill context,
   decode) dequantizes only the gathered slots.
-- FP8TritonAttention (CUDA): the decode kernel loads e4m3 and applies the scales in-kernel; the
-  write pre-scales k and v and lets the fused RoPE + store kernel round them to e4m3 as it
-  stores (RoPE is linear, so rotating k / scale equals rotating k, then dividing).
+- FP8TritonAttention (CUDA): the decode kernel loads e4m3 and applies the scales in-kernel
+  (k's folded into the score scale, v's into each split's output); the fused RoPE + store
+  kernel, and the fused one-row decoder block's qkv kernel (noesis.kernels.row_gemv), take the
+  scales and quantize as they store. Both rotate first, in the model dtype, then divide: the
+  order of the portable backend, so the stored bytes equal noesis.kv.fp8.quantize's exactly.
 
 A fresh prefill attends over its own keys and values before rounding, as the bf16 path does.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from noesis.kv.fp8 import FP8_MAX, FP8LayerCache, read_slots, scales_from_amax, write_slots
+from noesis.kv.fp8 import FP8LayerCache, read_slots, scales_from_amax, write_slots
 from noesis.models.rope import apply_rotary
 from noesis.runner.attention import TorchPagedAttention, TritonPagedAttention
 from noesis.runner.inputs import AttentionMetadata, PrefillSpan
@@ -30,9 +30,6 @@ CALIBRATION_TEXT = (
     "est-il ? Es ist halb neun. 東京は日本の首都です。 Q: What is 17 * 23? A: 391.\n"
 )
 CALIBRATION_TOKENS = 256
-# A rotation can grow one channel of a (x1, x2) pair by up to sqrt(2): the Triton write clamps
-# before it rotates.
-PRE_ROTATION_LIMIT = FP8_MAX / math.sqrt(2)
 
 
 class FP8TorchAttention(TorchPagedAttention):
@@ -58,13 +55,10 @@ class FP8TritonAttention(TritonPagedAttention):
         self.dtype = dtype
 
     def rope_and_store(self, q, k, v, cos, sin, cache: FP8LayerCache, meta: AttentionMetadata):
-        k_scale, v_scale = cache.scales[0], cache.scales[1]  # [Hkv, 1]
-        k.div_(k_scale).clamp_(-PRE_ROTATION_LIMIT, PRE_ROTATION_LIMIT)  # in place: qkv's view
-        stored_v = (v.float() / v_scale).clamp_(-FP8_MAX, FP8_MAX).to(v.dtype)
-        self.rope.rope_write_kv(q, k, stored_v, cos, sin, meta.slot_mapping, cache.data[0],
-                                cache.data[1])
-        if meta.prefills:  # fresh prefills attend over the rotated keys at their own scale
-            k = (k.float() * k_scale).to(q.dtype)  # the scales are float32: not the keys' type
+        """One launch: q and k rotated in place (unscaled: fresh prefills attend over them),
+        k and v quantized into their slots."""
+        self.rope.rope_write_kv(q, k, v, cos, sin, meta.slot_mapping, cache.data[0],
+                                cache.data[1], kv_scales=cache.scales)
         return q, k
 
     def decode(self, q, cache: FP8LayerCache, meta: AttentionMetadata, scale: float,
@@ -82,18 +76,18 @@ class FP8TritonAttention(TritonPagedAttention):
 def enable(runner, tokenizer, dtype: torch.dtype) -> None:
     """Fix the fp8 pool's scales by a calibration forward and switch `runner` to the fp8
     backend, which dequantizes to `dtype` (the model's). Before graph capture: the graphs
-    record the backend's kernels."""
-    model, kv = runner.model, runner.kv
+    record the backend's kernels. The fused one-row decoder block stays on: its qkv kernel
+    quantizes with the same scales (noesis.kernels.ops.norm_qkv_rope_store)."""
+    kv = runner.kv
     caches = [layer for layer in kv.layers if isinstance(layer, FP8LayerCache)]
-    amax = calibration_amax(runner, calibration_ids(tokenizer, runner.vocab_size))
+    ids = calibration_ids(tokenizer, runner.vocab_size)[:runner.max_model_len]  # RoPE's table
+    amax = calibration_amax(runner, ids)
     for cache, layer_amax in zip(caches, amax, strict=True):
         cache.scales.copy_(scales_from_amax(layer_amax))
     if runner.attention.name.startswith("triton"):
         runner.attention = FP8TritonAttention(runner.max_model_len, dtype)
     else:
         runner.attention = FP8TorchAttention(dtype)
-    # The fused one-row block writes keys to the cache as they are: no scales, no e4m3.
-    model.fuse_one_row = False
 
 
 def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
