@@ -1,8 +1,8 @@
 """What the control plane costs per decode step: the sampler with per-token metrics on against the
 same call with them off, on a 128k vocabulary at batch 1 and 64 (the 8B shape's sampler input),
-plus the host's per-token knobs for every row of the step (noesis.control.knobs.observe_rows:
-belief, Φ and the knobs of all rows at once in numpy, then the runner's read of each row's
-temperature and top_p). Checks the CUDA kernel against the PyTorch reference on the same logits.
+plus the host's per-token knobs for every row of the step (TokenKnobs.observe per row: belief,
+Φ and the row's knobs, then the runner's read of each row's temperature and top_p). Checks the
+CUDA kernel against the PyTorch reference on the same logits.
 
     python benchmarks/control_overhead.py [--device cuda] [--batches 1,64] [--json out.json]
         [--step-ms 1:3.94,64:5.17]
@@ -35,14 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from noesis.control import DefaultPolicy  # noqa: E402
-from noesis.control.knobs import TokenControl, observe_rows  # noqa: E402
-from noesis.sampling.metrics import reference_metrics, token_metrics  # noqa: E402
+from noesis.control.knobs import TokenControl  # noqa: E402
+from noesis.sampling.metrics import TokenMetrics, reference_metrics, token_metrics  # noqa: E402
 from noesis.sampling.params import SamplingParams  # noqa: E402
 from noesis.sampling.sampler import SamplingTensors, sample  # noqa: E402
 
@@ -93,15 +92,16 @@ def metrics_us(logits: torch.Tensor, reps: int, device: str) -> tuple[float, flo
 
 def host_knobs_us(batch: int, steps: int = 2000) -> float:
     """Per step of `batch` controlled rows: what the engine runs on the host when a step is read
-    back (observe_rows under the default policy) and when the next is planned (each row's
-    temperature and top_p, as the runner reads them)."""
+    back (each row's TokenKnobs.observe under the default policy: belief, Φ, the row's knobs)
+    and when the next is planned (each row's temperature and top_p, as the runner reads them)."""
     control = TokenControl(DefaultPolicy())
     rows = [control.knobs(SamplingParams(temperature=0.7, top_p=0.95)) for _ in range(batch)]
-    entropy = 0.2 + (np.arange(steps)[:, None] + np.arange(batch)) % 7 * 0.3  # [steps, batch]
-    stream = np.stack([entropy, *(np.full_like(entropy, v) for v in (0.1, 0.9, 0.5))], axis=-1)
+    stream = [[TokenMetrics(0.2 + (i + row) % 7 * 0.3, 0.1, 0.9, 0.5) for row in range(batch)]
+              for i in range(steps)]  # fmt: skip
     began = time.perf_counter()
     for metrics in stream:
-        observe_rows(rows, metrics)
+        for knobs, row in zip(rows, metrics, strict=True):
+            knobs.observe(row)
         [(knobs.temperature, knobs.top_p) for knobs in rows]
     return (time.perf_counter() - began) * 1e6 / steps
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from noesis.control.bank import BANK
 from noesis.control.knobs import TokenKnobs, start_phi
 from noesis.sampling.params import SamplingParams
 
@@ -27,16 +26,9 @@ DEFAULT_TURN_TOKENS = 1024  # a turn's max_tokens when the request gives no para
 class TurnControl:
     def __init__(self, policy: ControlPolicy) -> None:
         self.policy = policy
-        self._state: ControlState | None = None
+        self.state: ControlState | None = None
         self.per_token = False  # the generator's engine has asked for knobs
         self.steered = 0  # generations (engine requests) of the current turn steered per token
-
-    @property
-    def state(self) -> ControlState | None:
-        """The conversation's state, current (read back from the engine's bank of knobs)."""
-        if self._state is not None:
-            BANK.sync(self._state)
-        return self._state
 
     def params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's params with metrics on and this control steering them. Where the
@@ -44,7 +36,7 @@ class TurnControl:
         generation's, which Φ started from) apply to the whole generation instead."""
         base = params or SamplingParams(max_tokens=DEFAULT_TURN_TOKENS)
         if self.state is None:
-            self._state = self.policy.begin(start_phi(base))
+            self.state = self.policy.begin(start_phi(base))
         self.steered = 0
         if not self.per_token:
             now, first = self.state.phi.phi, self.state.phi.base
