@@ -1,5 +1,6 @@
-"""Quantized decode on the GPU: bf16 vs AWQ int4 (group 128) vs int8 (per channel) on the random
-Llama-3.1-8B shape through the engine (CUDA graphs), an fp8 KV cache vs bf16 at 8k context, and
+"""Quantized decode on the GPU: bf16 vs AWQ int4 (group 128) vs int8 (per channel) vs GGUF Q4_K
+(kept packed) on the random Llama-3.1-8B shape through the engine (CUDA graphs), an fp8 KV
+cache vs bf16 at 8k context, and
 the dequantizing kernel alone against torch's bf16 matmul, beside the copy bandwidth measured in
 the same run.
 
@@ -11,6 +12,10 @@ bytes read per step (weights without the embedding table, whose rows are gathere
 the step reads), the roofline tok/s those bytes allow at the measured bandwidth, the share
 reached, and tok/s relative to bf16. The int4 and int8 checkpoints are random bf16 weights
 quantized on the device by `noesis quantize`'s round-to-nearest, written in AWQ / GPTQ layout.
+The gguf package cannot quantize to Q4_K, so the Q4_K file holds random Q4_K blocks (random
+6-bit scales and minimums and 4-bit codes, small float16 super-block scales) for every
+projection, float16 embeddings and head, written with the package's GGUFWriter and loaded with
+gguf_weights="packed".
 A variant that fails is reported with its error; the others still run.
 """
 
@@ -38,14 +43,17 @@ from make_random_checkpoint import (  # noqa: E402
 )
 
 # vocab: gpu_decode's prompt ids reach 30,000
-SMOKE_SHAPE = dict(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, vocab=32000)
+# hidden 256: Q4_K's blocks are 256 values along K
+SMOKE_SHAPE = dict(hidden=256, intermediate=256, layers=2, heads=4, kv_heads=2, vocab=32000)
 # (name, checkpoint, kv_cache_dtype, long-context run)
 VARIANTS = (
     ("bf16", "bf16", "auto", True),
     ("bf16 + fp8 KV", "bf16", "fp8", True),
     ("AWQ int4 g128", "int4", "auto", False),
     ("int8 per channel", "int8", "auto", False),
+    ("Q4_K GGUF packed", "q4_k", "auto", False),
 )
+GGUF_FILE = "model.gguf"  # the Q4_K checkpoint: this file in its directory
 PROJECTIONS = {"qkv": lambda s: (s["hidden"] + 2 * s["kv_heads"] * s["hidden"] // s["heads"],
                                  s["hidden"]),
                "o": lambda s: (s["hidden"], s["hidden"]),
@@ -100,7 +108,8 @@ def main() -> None:
             if "error" in made:
                 report["variants"][name] = made
                 continue
-        run = (checkpoints[kind], device, kv_dtype, batches, args.long_context if long else 0,
+        model = checkpoints[kind] / GGUF_FILE if kind == "q4_k" else checkpoints[kind]
+        run = (model, device, kv_dtype, batches, args.long_context if long else 0,
                args.steps, bandwidth)
         report["variants"][name] = guarded(bench_variant, *run)
         release_memory()
@@ -125,6 +134,9 @@ def write_checkpoint(out: Path, shape: dict, kind: str, device: str) -> dict:
     max_len = 16384
     if kind == "bf16" and shape is SHAPES["llama-8b"]:
         make_checkpoint(out, "llama-8b", "bfloat16", max_len, 0, False, device)
+    elif kind == "q4_k":
+        out.mkdir(parents=True, exist_ok=True)
+        write_q4_k_gguf(out / GGUF_FILE, shape, max_len)
     else:
         out.mkdir(parents=True, exist_ok=True)
         write_config(out, shape, "bfloat16", max_len)
@@ -182,6 +194,76 @@ def quantized_tensors(name: str, dims: tuple[int, ...], kind: str, gen) -> dict:
     return {f"{base}.{leaf}": t.cpu().contiguous() for leaf, t in leaves.items()} | extra
 
 
+Q4_K_BLOCK = (256, 144)  # values, bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and
+# minimums, 128 bytes of 4-bit codes
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def write_q4_k_gguf(path: Path, shape: dict, max_len: int) -> None:
+    """A Llama GGUF file of `shape`: random Q4_K projections, float16 embeddings and head,
+    float32 norms, and a byte-level vocabulary of shape["vocab"] tokens without merges."""
+    import gguf
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    head_dim = shape["hidden"] // shape["heads"]
+    for add, value in ((writer.add_context_length, max_len),
+                       (writer.add_embedding_length, shape["hidden"]),
+                       (writer.add_block_count, shape["layers"]),
+                       (writer.add_feed_forward_length, shape["intermediate"]),
+                       (writer.add_head_count, shape["heads"]),
+                       (writer.add_head_count_kv, shape["kv_heads"]),
+                       (writer.add_layer_norm_rms_eps, 1e-5),
+                       (writer.add_rope_freq_base, 500000.0),
+                       (writer.add_rope_dimension_count, head_dim)):
+        add(value)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fillers = (f"<t{i}>" for i in range(shape["vocab"] - 2 - len(alphabet)))
+    tokens = ["<s>", "</s>", *alphabet, *fillers]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))  # two control tokens
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    for name, dims in tensor_shapes(shape).items():
+        gguf_name, data, raw_dtype = gguf_tensor(name, dims, rng)
+        writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_tensor(name: str, dims: tuple[int, ...], rng) -> tuple:
+    """(GGUF name, data, raw_dtype) of one checkpoint tensor: projections as random Q4_K
+    blocks, the embedding and head float16, norms float32 ones."""
+    import gguf
+    import numpy as np
+
+    if name == "model.embed_tokens.weight" or name == "lm_head.weight":
+        data = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
+        return ("token_embd" if "embed" in name else "output") + ".weight", data, None
+    if name == "model.norm.weight":
+        return "output_norm.weight", np.ones(dims, np.float32), None
+    layer, leaf = name.split(".")[2], name.split(".")[-2]
+    gguf_name = f"blk.{layer}.{GGUF_NAMES[leaf]}.weight"
+    if len(dims) == 1:
+        return gguf_name, np.ones(dims, np.float32), None
+    values, size = Q4_K_BLOCK
+    rows = rng.integers(0, 256, (dims[0], dims[1] // values * size), dtype=np.uint8)
+    blocks = rows.reshape(-1, size)
+    # weights about (scale * code - min * m) with 6-bit scale, min and 4-bit code: d near
+    # 0.02 / (32 * 8), the spread of a 1 / sqrt(K) weight
+    d = (rng.random(len(blocks), dtype=np.float32) * 1.6e-4).astype(np.float16)
+    blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = (d * 7.5).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return gguf_name, rows, gguf.GGMLQuantizationType.Q4_K
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 
 
@@ -193,8 +275,9 @@ def bench_variant(path: Path, device: str, kv_dtype: str, batches: list[int], lo
     from noesis.kv.cache import page_bytes
 
     t0 = time.perf_counter()
+    gguf = {"gguf_weights": "packed"} if path.suffix == ".gguf" else {}
     llm = LLM(str(path), device=device, dtype="bfloat16", max_model_len=max(long_ctx, 128) + 512,
-              max_num_seqs=max(batches), kv_cache_dtype=kv_dtype, progress=False)
+              max_num_seqs=max(batches), kv_cache_dtype=kv_dtype, progress=False, **gguf)
     engine = llm.engine
     model = engine.loaded.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

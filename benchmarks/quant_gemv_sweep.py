@@ -6,14 +6,16 @@ the form the kernel reads (gemv_configs.json, per GPU name and "bits,N,K,rows").
         --save-configs src/noesis/quant/gemv_configs.json
     python benchmarks/quant_gemv_sweep.py --smoke --json /tmp/sweep.json    # CPU, interpreter
 
-int4: AWQ-style group 128 with zero points; int8: one scale and zero per output row. Rows 1 and
-16, bf16 activations. Every config is checked against a float32 reference (fresh random codes,
+int4: AWQ-style group 128 with zero points; int8: one scale and zero per output row. Rows 1, 16
+and 64 (the config of every batch of 17-128 rows), bf16 activations. Every config is checked
+against a float32 reference (fresh random codes,
 zeros, scales, inputs; output allocated full of NaN) before it is timed; a wrong or failing one
 is reported and skipped. Times: median of graph replays, each replay calling the kernel on
 several copies of the weights in turn so that they are read from HBM, not L2; bandwidth share
 from the packed bytes (codes + scales + zeros) over the copy bandwidth measured in the same run.
-The grid is visited config by config across all shapes, and stops at --budget seconds (the
-sweep must fit in two minutes), so a cut-off run keeps each shape's first configs.
+The grid is visited config by config across all shapes and row counts (the first config of
+every row count, then the second, ...), and stops at --budget seconds (the sweep must fit in two
+minutes), so a cut-off run keeps each shape's first configs.
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ from noesis.quant.packing import pack  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SMOKE_SHAPES = {"tiny": (48, 256), "odd": (40, 384)}
 BITS = {4: 128, 8: -1}  # bits -> group size (-1: per output row)
-ROWS = (1, 16)
+ROWS = (1, 16, 64)
 L2_FLUSH_BYTES = 256 << 20  # weight copies per timed replay: more than this many bytes
 # Likeliest first: a run cut off by --budget keeps these. (block_n, words per row per tile,
 # split (0: auto), warps, stages, dot); block_k = words * codes per word. One row: the
-# CUDA-core kernel, then tl.dot with W as the MMA's left operand; 16 rows: tl.dot.
+# CUDA-core kernel, then tl.dot with W as the MMA's left operand; 16 and 64 rows: tl.dot (64:
+# 64-row tiles of x; 16 words of int4 are one AWQ group, scaled after the dot).
 GRID = {
     1: [(16, 64, 0, 2, 3, False), (16, 64, 0, 1, 3, False), (32, 32, 0, 2, 3, False),
         (16, 32, 0, 1, 3, False), (32, 64, 0, 2, 3, False), (8, 64, 0, 1, 3, False),
@@ -51,9 +54,13 @@ GRID = {
         (32, 32, 0, 4, 3, False), (64, 32, 0, 4, 3, False), (32, 16, 0, 4, 3, True)],
     16: [(32, 16, 0, 4, 3, True), (64, 16, 0, 4, 3, True), (16, 32, 0, 4, 3, True),
          (64, 32, 0, 8, 3, True)],
+    64: [(64, 16, 0, 4, 3, True), (128, 16, 0, 8, 3, True), (64, 16, 0, 4, 4, True),
+         (128, 16, 0, 4, 3, True), (64, 32, 0, 4, 3, True), (128, 16, 0, 8, 4, True),
+         (64, 16, 0, 8, 3, True), (128, 32, 0, 8, 3, True)],
 }
 SMOKE_GRID = {1: [(8, 16, 0, 4, 1, False), (16, 8, 2, 4, 1, True)],
-              16: [(16, 8, 0, 4, 1, True), (32, 16, 2, 4, 2, True)]}
+              16: [(16, 8, 0, 4, 1, True), (32, 16, 2, 4, 2, True)],
+              64: [(32, 8, 0, 4, 2, True), (16, 16, 2, 4, 1, True)]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -173,23 +180,30 @@ def main() -> None:
                         "default": _measure(cases[key], bits, default, device, tolerance),
                         "configs": []}
     cut_off = False
-    for rows in ROWS:
-        for entry in grid[rows]:
-            for key, result in results.items():
-                if result["rows"] != rows:
-                    continue
-                if time.perf_counter() - started > args.budget:
-                    cut_off = True
-                    break
-                config = config_for(entry, result["bits"])
-                measured = _measure(cases[key], result["bits"], config, device, tolerance)
-                result["configs"].append({"config": config.as_list(), **measured})
+    for rows, entry in _grid_order(grid):
+        for key, result in results.items():
+            if result["rows"] != rows:
+                continue
+            if time.perf_counter() - started > args.budget:
+                cut_off = True
+                break
+            config = config_for(entry, result["bits"])
+            measured = _measure(cases[key], result["bits"], config, device, tolerance)
+            result["configs"].append({"config": config.as_list(), **measured})
     report = _report(results, gpu, bandwidth, cut_off, time.perf_counter() - started)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     if args.save_configs:
         _save_configs(args.save_configs, gpu, report["best"])
     _print_table(report)
+
+
+def _grid_order(grid):
+    """(rows, entry): every row count's first entry, then every second one, and so on."""
+    for i in range(max(len(entries) for entries in grid.values())):
+        for rows in ROWS:
+            if i < len(grid[rows]):
+                yield rows, grid[rows][i]
 
 
 def _cases(shapes):

@@ -30,6 +30,8 @@ CONFIGS = {
     "fma split": GemvConfig(16, 32, split_k=3),
     "dot": GemvConfig(16, 64, dot=True),
     "dot split": GemvConfig(32, 128, split_k=2, dot=True),
+    "batch": GemvConfig(64, 128, dot=True),  # 17-128 rows: tiles of 32 or 64 rows of x
+    "batch group tile": GemvConfig(16, 32, split_k=2, dot=True),  # Q4_K: a group per K tile
 }
 
 
@@ -67,7 +69,11 @@ CASES = ([("fma", *shape) for shape in ONE_ROW]
          + [("fma tile past groups", *ONE_ROW[i]) for i in (0, 3)]
          + [("fma split", *ONE_ROW[i]) for i in (1, 2)]
          + [("dot", *shape) for shape in DOT_ONLY + ONE_ROW[:1]]
-         + [("dot split", *DOT_ONLY[i]) for i in (0, 3)] + [("dot split", *ONE_ROW[2])])
+         + [("dot split", *DOT_ONLY[i]) for i in (0, 3)] + [("dot split", *ONE_ROW[2])]
+         + [("batch", 40, 48, 256, 4, 128, False),  # one group per tile: scaled after the dot
+            ("batch", 20, 40, 384, 8, -1, False),  # a 32-row tile, int8 per channel
+            ("batch", 100, 24, 256, 4, 32, False),  # two 64-row tiles, runs of 32 per tile
+            ("batch", 72, 16, 192, 4, 64, True)])  # act-order, K past the last tile
 
 
 @pytest.mark.parametrize(("config", "m", "n", "k", "bits", "group_size", "act_order"), CASES)
@@ -97,7 +103,8 @@ def test_float16_within_its_rounding(poisoned_call, config, m):
 @pytest.mark.parametrize(
     ("config", "m", "qtype"),
     [("fma", 1, "Q4_0"), ("fma", 1, "Q4_1"), ("fma", 1, "Q8_0"), ("fma", 1, "Q4_K"),
-     ("fma tile past groups", 1, "Q6_K"), ("dot split", 2, "Q4_K"), ("dot split", 2, "Q6_K")],
+     ("fma tile past groups", 1, "Q6_K"), ("dot split", 2, "Q4_K"), ("dot split", 2, "Q6_K"),
+     ("batch", 33, "Q4_K"), ("batch group tile", 65, "Q4_K"), ("batch group tile", 24, "Q8_0")],
 )
 def test_gguf_blocks(poisoned_call, config, m, qtype):
     """Constant zero points, minimums (Q4_1, Q4_K), float32 scales (K-quants), group 16."""
@@ -121,5 +128,24 @@ def test_configs_come_from_the_table_per_device(tmp_path, monkeypatch):
         assert kernel.gemv_config(4, 4096, 4096, 1, cpu) == GemvConfig(4, 512, 2, 8, 1, False)
         assert kernel.gemv_config(4, 4096, 4096, 9, cpu) == kernel.default_gemv_config(4, 9)
         assert kernel.config_key(8, 6144, 4096, 9) == "8,6144,4096,16"
+        assert [kernel.config_key(4, 6144, 4096, m)[-3:] for m in (16, 17, 64, 128)] == [
+            ",16", ",64", ",64", ",64"]
     finally:
         kernel._device_configs.cache_clear()
+
+
+def test_batch_tiles_match_the_batch():
+    """BLOCK_M follows the rows (the MMA's N side: 16, 32, 64), and a 128-row batch runs as two
+    64-row tiles; past BATCH_ROWS rows, prefill's kernel."""
+    assert [kernel.block_rows(m) for m in (2, 16, 17, 32, 33, 64, 128)] == [
+        16, 16, 32, 32, 64, 64, 64]
+    assert kernel.rows_bucket(1) == 1 and kernel.rows_bucket(17) == kernel.BATCH_BUCKET
+    assert kernel.default_gemv_config(4, 64) == GemvConfig(64, 128, dot=True)
+
+
+def test_rows_past_the_batch_take_the_prefill_kernel(monkeypatch):
+    layer, weight = packed_layer(16, 128, 4, 128, False, seed=5)
+    x = torch.randn(kernel.BATCH_ROWS + 1, 128)
+    monkeypatch.setattr(kernel, "_packed_gemv_dot", None)  # a decode launch would fail
+    got = kernel.packed_matmul(x, layer.qweight, layer.scales, layer.qzeros, None, 4, 128)
+    assert relative_error(got, F.linear(x.double(), weight)) < FLOAT32_ERROR

@@ -5,13 +5,15 @@ noesis.quant.packing (rows of int32 words along K), three Triton kernels.
   (16-byte loads per thread along K, coalesced), unpacks them inside each thread and multiplies
   on the CUDA cores, with about three instructions per code (see its docstring); a float32
   accumulator tile is summed once at the end, as the bf16 row GEMV does.
-- up to DECODE_ROWS rows, act-order, or groups no tile fits, `_packed_gemv_dot`: the same row
-  tiles dequantized in registers as tl.dot's left operand, x^T the right one.
+- up to BATCH_ROWS rows (decode batches), act-order, or groups no tile fits, `_packed_gemv_dot`:
+  the same row tiles dequantized in registers as tl.dot's left operand, x^T the right one,
+  BLOCK_M (16, 32 or 64 rows of x per program) matched to the batch.
 - prefill, `_packed_matmul`: square-ish tiles over M and N, the whole of K per program.
 
 Decode launches take BLOCK_N, BLOCK_K, the split over K, warps and pipeline stages per (bits, N,
-K, rows) from gemv_configs.json beside this file (benchmarks/quant_gemv_sweep.py writes it per
-GPU model), else defaults. Narrow BLOCK_N gives N / BLOCK_N programs, several per SM, so most
+K, rows bucket: 1, DECODE_ROWS or BATCH_BUCKET) from gemv_configs.json beside this file
+(benchmarks/quant_gemv_sweep.py writes it per GPU model), else defaults. Narrow BLOCK_N gives
+N / BLOCK_N programs, several per SM, so most
 shapes need no split over K; where one is configured, the float32 partials are summed in a fixed
 order (deterministic, no atomics). No host sync and only stream-ordered allocations: the
 launches capture into CUDA graphs. Checked against the portable path and a float64 reference
@@ -29,10 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-DECODE_ROWS = 16  # batches up to this many rows take the decode launch
+DECODE_ROWS = 16  # rows 2..DECODE_ROWS share one tuned config (one 16-row tile)
+BATCH_ROWS = 128  # batches up to this many rows take the decode launch; longer ones prefill's
+BATCH_BUCKET = 64  # rows DECODE_ROWS+1..BATCH_ROWS share the config tuned at this many rows
+MAX_BLOCK_M = 64  # rows of x per decode program; 128 rows run as two programs along M
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs: the default split aims at this
 CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
-MAGIC = tl.constexpr(8388608.0)  # 2^23: (code | 0x4B000000) as a float is MAGIC + code
 
 
 @dataclass(frozen=True)
@@ -53,15 +57,31 @@ class GemvConfig:
 
 def default_gemv_config(bits: int, rows: int) -> GemvConfig:
     """Untuned: 256 bytes of words per output row per tile; FMAs for one row, an MMA tile for
-    more (a 16-row FMA tile costs 16 products per weight on the CUDA cores)."""
+    more (a 16-row FMA tile costs 16 products per weight on the CUDA cores); past 16 rows a
+    square 64 x 64 MMA tile, 128 columns: one AWQ group per tile, scaled after the dot."""
     if rows == 1:
         return GemvConfig(8, 64 * (32 // bits), stages=3)
-    return GemvConfig(32, 128, dot=True)
+    if rows <= DECODE_ROWS:
+        return GemvConfig(32, 128, dot=True)
+    return GemvConfig(64, 128, dot=True)
+
+
+def rows_bucket(rows: int) -> int:
+    """The rows a tuned config is keyed by: 1, DECODE_ROWS (2-16) or BATCH_BUCKET (17-128)."""
+    if rows == 1:
+        return 1
+    return DECODE_ROWS if rows <= DECODE_ROWS else BATCH_BUCKET
+
+
+def block_rows(rows: int) -> int:
+    """BLOCK_M of the tl.dot decode kernel: 16, 32 or 64 (the MMA's N side), matched to the
+    batch; a tile of more rows would only add the padding rows' products."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
 
 def config_key(bits: int, n: int, k: int, rows: int) -> str:
-    """gemv_configs.json's key: rows bucketed to 1 or DECODE_ROWS."""
-    return f"{bits},{n},{k},{1 if rows == 1 else DECODE_ROWS}"
+    """gemv_configs.json's key: rows bucketed by rows_bucket."""
+    return f"{bits},{n},{k},{rows_bucket(rows)}"
 
 
 def _device_name(device: torch.device) -> str:
@@ -197,7 +217,7 @@ def _zero_point(z_ptr, at, ok, ZERO: tl.constexpr, BIAS: tl.constexpr):
 @triton.jit
 def _packed_gemv_dot(
     x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, g_ptr, y_ptr,
-    M, N, stride_xm, stride_ys,
+    M, N, stride_xm, stride_ys, field,
     K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
     ACT_ORDER: tl.constexpr, SUB: tl.constexpr, K_SPLIT: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, STAGES: tl.constexpr,
@@ -205,50 +225,80 @@ def _packed_gemv_dot(
 ):
     """Up to BLOCK_M rows: y[split] [M, N] = x[:, split's K range] @ W[:, K range]^T through
     tl.dot, computed transposed (W's [BLOCK_N, BLOCK_K] tile, dequantized in registers, is the
-    left operand, as the MMA's register operand; x^T the right).
+    left operand, as the MMA's register operand; x^T [BLOCK_K, BLOCK_M] the right, loaded
+    as such so that it streams into shared memory asynchronously).
 
-    SUB > 0: every run of SUB columns of a tile shares one group (scales and zero points
-    loaded once per run); SUB = 0: each column's group is looked up (g_idx when ACT_ORDER,
-    else k // GROUP). ZERO < 0: zero points from z_ptr, else that constant; HAS_MIN: adds
-    m_ptr's per-group minimums (GGUF's Q4_1 / K-quants). The weight is rounded once to the
-    model dtype, as the portable path rounds."""
+    Codes unpack inside each thread as _packed_gemv's do, to q = 1 + code / 2^BITS (no
+    integer-to-float conversion). One group per K tile (SUB == BLOCK_K): the tile's weights are
+    q - (1 + zero / 2^BITS) = (code - zero) / 2^BITS, exact in the model dtype, and the group's
+    scale (times 2^BITS) applies once per output after the dot, minimums as min * sum x: one
+    add and half a conversion per weight. Otherwise (SUB < BLOCK_K: runs of SUB columns per
+    group; SUB = 0: each column's group looked up, g_idx when ACT_ORDER, else k // GROUP) the
+    weight is that difference times its scale (+ min), rounded once to the model dtype.
+    ZERO < 0: zero points from z_ptr, else that constant; HAS_MIN: m_ptr's per-group
+    minimums (GGUF's Q4_1 / K-quants). `field`: field_mask(BITS), as _packed_gemv takes it."""
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    EVEN: tl.constexpr = K % K_SPLIT == 0 and K_SPLIT % BLOCK_K == 0  # no tile reaches past K
+    SCALE_AFTER: tl.constexpr = SUB == BLOCK_K
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * (K // PACK)
-    shifts = (tl.arange(0, PACK) * BITS)[None, None, :]
+    row_ok, col_ok = rows < M, cols < N
+    k_first = split * K_SPLIT
+    w_tile = (w_ptr + cols.to(tl.int64)[:, None] * (K // PACK)
+              + (k_first // PACK + tl.arange(0, WORDS))[None, :])  # [BN, WORDS]
+    x_tile = x_ptr + rows[None, :] * stride_xm + (k_first + tl.arange(0, BLOCK_K))[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for step in tl.range(0, K_SPLIT, BLOCK_K, num_stages=STAGES):
-        k0 = split * K_SPLIT + step
-        words_at = k0 // PACK + tl.arange(0, WORDS)
-        words = tl.load(w_rows + words_at[None, :],
-                        mask=col_ok[:, None] & (words_at < K // PACK)[None, :], other=0)
+        k0 = k_first + step
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)  # [BM, BK]
-        codes = ((words[:, :, None] >> shifts) & ((1 << BITS) - 1)) | 0x4B000000
-        q = tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.float32, bitcast=True)  # 2^23 + code
-        w = _dequantize(q, cols, col_ok, k0, ks, s_ptr, z_ptr, m_ptr, g_ptr, K, GROUP, GROUPS,
-                        ACT_ORDER, SUB, ZERO, HAS_MIN, BLOCK_N, BLOCK_K).to(DTYPE)
-        if DTYPE == tl.float32:
-            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        if EVEN:
+            words = tl.load(w_tile, mask=col_ok[:, None], other=0)
+            x_t = tl.load(x_tile, mask=row_ok[None, :], other=0.0)  # [BK, BM]
         else:
-            acc += tl.dot(w, tl.trans(x))
+            words_at = k0 // PACK + tl.arange(0, WORDS)
+            words = tl.load(w_tile, mask=col_ok[:, None] & (words_at < K // PACK)[None, :],
+                            other=0)
+            x_t = tl.load(x_tile, mask=row_ok[None, :] & (ks < K)[:, None], other=0.0)
+        w_tile += WORDS
+        x_tile += BLOCK_K
+        q = _unpack_in_thread(words.to(tl.uint32, bitcast=True)[:, None, :], BITS, BLOCK_N, 1,
+                              WORDS, field.to(tl.uint32, bitcast=True))
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K))  # 1 + code / 2^BITS
+        if SCALE_AFTER:
+            at = cols * GROUPS + k0 // GROUP
+            offset = 1.0 + _zero_point(z_ptr, at, col_ok, ZERO, 0) / (1 << BITS)
+            part = _dot((q - offset[:, None]).to(DTYPE), x_t)
+            scale = tl.load(s_ptr + at, mask=col_ok, other=0.0).to(tl.float32) * (1 << BITS)
+            acc += part * scale[:, None]
+            if HAS_MIN:
+                mins = tl.load(m_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
+                acc += mins[:, None] * tl.sum(x_t.to(tl.float32), 0)[None, :]
+        else:
+            w = _dequantize(q, cols, col_ok, k0, ks, s_ptr, z_ptr, m_ptr, g_ptr, K, BITS, GROUP,
+                            GROUPS, ACT_ORDER, SUB, ZERO, HAS_MIN, BLOCK_N, BLOCK_K)
+            acc += _dot(w.to(DTYPE), x_t)
     out = y_ptr + split * stride_ys + rows[None, :] * N + cols[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[None, :] & col_ok[:, None])
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
+
+
+@triton.jit
+def _dot(a, b):
+    """a @ b in float32; float32 operands multiplied exactly (not as TF32)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit
 def _dequantize(q, cols, col_ok, k0, ks, s_ptr, z_ptr, m_ptr, g_ptr, K: tl.constexpr,
-                GROUP: tl.constexpr, GROUPS: tl.constexpr, ACT_ORDER: tl.constexpr,
-                SUB: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 weights [BLOCK_N, BLOCK_K] from q = 2^23 + code: (code - zero) * scale (+ min),
-    the difference exact, the product rounded once."""
+                BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                ACT_ORDER: tl.constexpr, SUB: tl.constexpr, ZERO: tl.constexpr,
+                HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 weights [BLOCK_N, BLOCK_K] from q = 1 + code / 2^BITS: (code - zero) * scale
+    (+ min), the difference exact, the product rounded once."""
     if SUB > 0:
         RUNS: tl.constexpr = BLOCK_K // SUB
         starts = k0 + tl.arange(0, RUNS) * SUB
@@ -262,8 +312,8 @@ def _dequantize(q, cols, col_ok, k0, ks, s_ptr, z_ptr, m_ptr, g_ptr, K: tl.const
             group = ks // GROUP
         at = cols[:, None] * GROUPS + group[None, :]  # [BN, BK]
         ok = col_ok[:, None] & (ks < K)[None, :]
-    scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    offset = _zero_point(z_ptr, at, ok, ZERO, MAGIC)  # MAGIC + zero
+    scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32) * (1 << BITS)
+    offset = 1.0 + _zero_point(z_ptr, at, ok, ZERO, 0) / (1 << BITS)
     if SUB > 0:
         w = (q - offset[:, :, None]) * scale[:, :, None]
         if HAS_MIN:
@@ -344,14 +394,15 @@ def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     n = qweight.shape[0]
     assert qweight.shape[1] * (32 // bits) == k and x.stride(1) == 1
-    if m > DECODE_ROWS:
+    if m > BATCH_ROWS:
         return _prefill(x, qweight, scales, qzeros, groups, bits, group_size, mins)
     config = config or gemv_config(bits, n, k, m, x.device)
     block_k = max(min(config.block_k, triton.next_power_of_2(k)), 4 * (32 // bits))
     sub = _run_length(groups, scales.shape[1], group_size, block_k)
     dot = config.dot or m > 1 or sub == 0  # the FMA kernel: one row, groups in whole runs
     block_n = max(config.block_n, 16) if dot else config.block_n
-    programs = triton.cdiv(n, block_n)
+    block_m = block_rows(m)
+    programs = triton.cdiv(n, block_n) * (triton.cdiv(m, block_m) if dot else 1)
     k_tiles = triton.cdiv(k, block_k)
     splits = config.split_k or max(1, TARGET_PROGRAMS // programs)
     k_split = triton.cdiv(k_tiles, min(splits, k_tiles)) * block_k
@@ -366,9 +417,10 @@ def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  STAGES=config.stages, BLOCK_N=block_n, BLOCK_K=block_k,
                  num_warps=config.warps)
     if dot:
-        _packed_gemv_dot[(triton.cdiv(m, 16), programs, splits)](
+        _packed_gemv_dot[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
             x, qweight, scales, zeros, mins_or_any, groups if groups is not None else qweight, y,
-            m, n, x.stride(0), m * n, ACT_ORDER=groups is not None, BLOCK_M=16, **shape)
+            m, n, x.stride(0), m * n, field_mask(bits), ACT_ORDER=groups is not None,
+            BLOCK_M=block_m, **shape)
     else:
         _packed_gemv[(programs, splits)](x, qweight, scales, zeros, mins_or_any, y, n, n,
                                          field_mask(bits), EVEN=k % k_split == 0, **shape)
