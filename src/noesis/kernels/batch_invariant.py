@@ -4,8 +4,9 @@ cuBLAS and the flash kernels pick tile shapes, split-K and split-KV from the bat
 logits change with the traffic beside it. These kernels fix every reduction order by the weight's
 (or the context's) shape alone:
 
-- `linear`: a persistent matmul whose tile configuration depends on (N, K) only and never
-  splits K, so each output's K-reduction runs in BLOCK_K steps, in order, whatever M is;
+- `linear`: a matmul whose tiling, K split included, depends on (N, K) and the device only:
+  each output sums BLOCK_K steps in order within each of a fixed number of K ranges, then the
+  ranges' float32 partials in order, whatever M is;
 - `paged_attention`: one program per (query token, head) that walks its own keys in blocks of
   KV_BLOCK positions counted from position 0, in order, whatever shares the step; a token
   computes the same attention inside a prefill chunk, a one-shot prefill or a decode.
@@ -16,6 +17,7 @@ Both run under Triton's interpreter on the CPU (tests/unit/test_batch_invariant.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -27,36 +29,71 @@ import triton.language as tl
 KV_BLOCK = 64
 MATMUL_BLOCK_M = 64
 MATMUL_BLOCK_K = 64
-INTERPRETER_PROGRAMS = 4  # persistent programs when there is no GPU to count SMs on
+MIN_SPLIT_CHUNKS = 4  # BLOCK_K steps per split at least: shorter splits cost more than they fill
+SPLIT_FILL = 0.9  # split K until tiles x splits reach this share of the SMs
+REDUCE_BLOCK = 1024  # columns per program of the fixed-order sum of the splits
+INTERPRETER_PROGRAMS = 4  # SMs to size splits by when there is no GPU to count them on
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """How `linear` tiles one weight: chosen from (N, K) and the device, never from M."""
+
+    block_n: int
+    splits: int  # K ranges of equal length, summed in order s = 0..splits-1
+    warps: int
+    stages: int
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, float32 accumulation."""
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, float32 accumulation.
+
+    Each output sums K in BLOCK_K steps, in order, within each of `splits` equal K ranges, and
+    then the ranges' float32 partials in order: the same operations whatever M is."""
     rows, depth = x.shape
     cols = weight.shape[0]
     out = torch.empty(rows, cols, device=x.device, dtype=x.dtype)
     if rows == 0:
         return out
-    block_n, warps, stages = _matmul_config(cols, depth, x.device)
-    tiles = triton.cdiv(rows, MATMUL_BLOCK_M) * triton.cdiv(cols, block_n)
-    programs = _num_programs(x.device)
-    _matmul[(min(tiles, programs),)](
-        x, weight, bias if bias is not None else weight, out, rows, cols, depth, tiles,
-        triton.cdiv(rows, MATMUL_BLOCK_M),
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        out.stride(1), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=block_n, BLOCK_K=MATMUL_BLOCK_K, NUM_PROGRAMS=programs,
-        num_warps=warps, num_stages=stages,
+    config = matmul_config(cols, depth, x.device)
+    split = config.splits > 1
+    partials = (torch.empty(config.splits, rows, cols, device=x.device, dtype=torch.float32)
+                if split else out)  # [S, M, N]
+    tiles_m = triton.cdiv(rows, MATMUL_BLOCK_M)
+    tiles_n = triton.cdiv(cols, config.block_n)
+    chunks = triton.cdiv(depth, MATMUL_BLOCK_K)
+    _matmul[(tiles_m * config.splits * tiles_n,)](
+        x, weight, bias if bias is not None else weight, partials, rows, cols, depth, tiles_m,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        partials.stride(-2), partials.stride(-1), rows * cols,
+        HAS_BIAS=bias is not None and not split, IEEE=x.dtype == torch.float32,
+        SPLITS=config.splits, CHUNKS=chunks // config.splits,
+        EVEN_K=depth % MATMUL_BLOCK_K == 0, BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=config.block_n,
+        BLOCK_K=MATMUL_BLOCK_K, num_warps=config.warps, num_stages=config.stages,
     )
+    if split:
+        _sum_splits[(rows, triton.cdiv(cols, REDUCE_BLOCK))](
+            partials, bias if bias is not None else partials, out, cols, rows * cols,
+            out.stride(0), SPLITS=config.splits, HAS_BIAS=bias is not None,
+            BLOCK=REDUCE_BLOCK, num_warps=4,
+        )
     return out
 
 
-def _matmul_config(cols: int, depth: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, warps, stages) from the weight's shape and the device only, never from M: a
-    config that followed M would change a row's reduction with its batch. Narrower column
-    tiles where wide ones would leave SMs idle at batch 1 (decode is bandwidth-bound)."""
-    wide = triton.cdiv(cols, 128) >= _num_programs(device)
-    return (128, 8, 3) if wide else (64, 4, 4)
+def matmul_config(cols: int, depth: int, device: torch.device) -> MatmulConfig:
+    """The tiling of an [N, K] weight on `device`; a config that followed M would change a
+    row's reduction with its batch. At decode a step is bound by streaming the weights, which
+    needs every SM: where N / BLOCK_N column tiles leave SMs idle, K splits into 2, 4, 8, ...
+    equal ranges (each a whole number of BLOCK_K steps) until tiles x splits fill them."""
+    block_n = 128 if cols > 64 else 64
+    tiles = triton.cdiv(cols, block_n)
+    chunks = triton.cdiv(depth, MATMUL_BLOCK_K)
+    fill = SPLIT_FILL * _num_programs(device)
+    splits = 1
+    while (tiles * splits < fill and chunks % (2 * splits) == 0
+           and chunks // (2 * splits) >= MIN_SPLIT_CHUNKS):
+        splits *= 2
+    return MatmulConfig(block_n, splits, warps=4, stages=4)
 
 
 @functools.cache
@@ -67,42 +104,59 @@ def _num_programs(device: torch.device) -> int:
 
 
 @triton.jit
-def _matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K: tl.constexpr, tiles, tiles_m, stride_xm,
-            stride_xk, stride_wn, stride_wk, stride_om, stride_on, HAS_BIAS: tl.constexpr,
-            IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            NUM_PROGRAMS: tl.constexpr):
-    # Persistent: program p takes tiles p, p + NUM_PROGRAMS, ...; column-major over tiles, so
-    # programs running together share a weight block.
-    tile = tl.program_id(0)
-    while tile < tiles:
-        _matmul_tile(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, tile % tiles_m, tile // tiles_m,
-                     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                     HAS_BIAS, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        tile += NUM_PROGRAMS
+def _matmul(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K: tl.constexpr, tiles_m, stride_xm,
+            stride_xk, stride_wn, stride_wk, stride_om, stride_on, stride_os,
+            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
+            CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (row tile, K split, column tile) per program: out [M, N] (SPLITS 1) or the split's
+    float32 partial, plane s of out [S, M, N]. Row tiles vary fastest, so programs running
+    together share a weight block."""
+    pid = tl.program_id(0)
+    tile_m = pid % tiles_m
+    split = (pid // tiles_m) % SPLITS
+    tile_n = pid // (tiles_m * SPLITS)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for chunk in range(CHUNKS):  # the one reduction order, the same for every M
+        ks = (split * CHUNKS + chunk) * BLOCK_K + tl.arange(0, BLOCK_K)
+        x_mask, w_mask = row_ok[:, None], col_ok[:, None]
+        if not EVEN_K:
+            x_mask, w_mask = x_mask & (ks[None, :] < K), w_mask & (ks[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask,
+                    other=0.0)
+        # The weight block as stored, [BLOCK_N, BLOCK_K] rows along K, and its transpose into
+        # the MMA: asynchronous copies straight to shared memory, no transpose in registers.
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :] * stride_wk, mask=w_mask,
+                    other=0.0)
+        if IEEE:  # float32 models: no TF32 rounding of the inputs
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptr += split.to(tl.int64) * stride_os
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _matmul_tile(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K: tl.constexpr, tile_m, tile_n,
-                 stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # the one reduction order, the same for every M
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
-                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
-        if IEEE:  # float32 models: no TF32 rounding of the inputs
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+def _sum_splits(partials_ptr, b_ptr, out_ptr, N, stride_ps, stride_om, SPLITS: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[row] = ((p[0] + p[1]) + p[2]) + ... (+ bias), the splits in order, for one row's
+    block of columns; partials [S, M, N] float32, contiguous."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    where = partials_ptr + row.to(tl.int64) * N + cols
+    acc = tl.load(where, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        acc += tl.load(where + split * stride_ps, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

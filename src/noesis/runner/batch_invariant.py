@@ -4,7 +4,7 @@ was preempted and recomputed.
 
 Two ways, by device. On CUDA the model runs on kernels whose reduction order depends on shapes
 the batch does not change (noesis.kernels.batch_invariant): every projection and the LM head
-through a persistent matmul with one tile configuration per weight, attention for prefill and
+through a matmul with one tiling (K split included) per weight, attention for prefill and
 decode rows alike through one paged kernel that walks each token's keys in fixed blocks, RMSNorm
 one row per program; the fused one-row decode path (a different reduction) is off. Elsewhere
 (CPU, MPS), where library kernels choose their blocking and vector tails by the whole tensor's
