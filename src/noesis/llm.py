@@ -15,6 +15,7 @@ from noesis.engine.engine import Engine, EngineConfig
 from noesis.engine.outputs import RequestOutput
 from noesis.errors import InvalidRequest
 from noesis.harmony.parser import ParsedTurn
+from noesis.models.capabilities import check_messages
 from noesis.sampling.defaults import generation_defaults
 from noesis.sampling.params import SamplingParams
 from noesis.session import AssistantTurn, Session, Tokens, TurnRequest
@@ -47,7 +48,9 @@ class LLM:
         does not show it; `chat_template` (Jinja text) replaces the checkpoint's template.
         `control="default"` (or a noesis.control.ControlPolicy) moves every sampled request's
         temperature and top_p per token, and steers this LLM's sessions (tool_choice too);
-        SamplingParams(control=False) opts a request out. Other options: EngineConfig's."""
+        SamplingParams(control=False) opts a request out. `capabilities=("text",)` (the
+        default) loads a vision-language checkpoint's text model alone; a conversation holding
+        an image or audio part is then an InvalidRequest. Other options: EngineConfig's."""
         try:
             config = EngineConfig(device=device, dtype=dtype, **options)
         except TypeError as exc:
@@ -237,6 +240,7 @@ class LLM:
         control: bool = True,
     ) -> tuple[list[int], SamplingParams]:
         """The prompt ids and SamplingParams of one assistant turn."""
+        check_messages(messages, self.engine.config.capabilities)  # the caller's indices
         fmt = self._turn_format_for_turns()
         base = params or SamplingParams(max_tokens=1024)
         if not control:
@@ -284,6 +288,9 @@ class LLM:
         the template writes control tokens: the messages' strings are text (encode_chat)."""
         if not messages:
             raise InvalidRequest("messages is empty")
+        # A part the loaded model cannot read (an image on a text-only load) is refused, not
+        # left for the template to drop or to spell out as text.
+        check_messages(messages, self.engine.config.capabilities)
         return self.tokenizer.encode_chat(messages, tools, add_generation_prompt, **template_kwargs)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:

@@ -22,8 +22,8 @@ def option(help: str, *, lo: float | None = None, hi: float | None = None,
            choices: tuple[str, ...] | None = None, flag: str | None = None,
            metavar: str | None = None) -> dict[str, Any]:
     """Field metadata making a config field an option: `lo`/`hi` bound an int to [lo, hi] and a
-    float to (lo, hi]; `choices` list a string's values; `flag` renames its flag (default: the
-    field name with dashes)."""
+    float to (lo, hi]; `choices` list a string's values (each item's, for a tuple of strings:
+    a comma-separated flag); `flag` renames its flag (default: the field name with dashes)."""
     return {"help": help, "lo": lo, "hi": hi, "choices": choices, "flag": flag,
             "metavar": metavar}
 
@@ -172,12 +172,16 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def _kind(f: dataclasses.Field) -> type:
-    """The option's scalar type, read from its annotation ("int | None" -> int)."""
+    """The option's type, read from its annotation ("int | None" -> int); tuple: a tuple of
+    strings ("tuple[str, ...]")."""
     names = str(f.type).replace(" ", "").split("|")
+    if "tuple[str,...]" in names:
+        return tuple
     for kind in (bool, int, float, str):
         if kind.__name__ in names:
             return kind
-    raise TypeError(f"option {f.name} has type {f.type}: options are bool, int, float or str")
+    raise TypeError(f"option {f.name} has type {f.type}: options are bool, int, float, str or "
+                    "tuple[str, ...]")
 
 
 def _nullable(f: dataclasses.Field) -> bool:
@@ -191,6 +195,8 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
     return "on" if value is True else "off" if value is False else str(value)
 
 
@@ -206,6 +212,8 @@ def _check(f: dataclasses.Field, value: Any) -> None:
         check_count(f.name, value, lo, int(meta["hi"]) if meta["hi"] is not None else INT_MAX)
     elif kind is float:
         _check_number(f, value)
+    elif kind is tuple:
+        _check_strings(f, value)
     elif not isinstance(value, str) or (meta["choices"] and value not in meta["choices"]):
         wanted = f"one of {', '.join(meta['choices'])}" if meta["choices"] else "a string"
         raise ConfigError(f"{f.name} must be {wanted}, got {value!r}")
@@ -220,6 +228,16 @@ def _check_number(f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{f.name} must be a number in {bounds}, got {value!r}")
 
 
+def _check_strings(f: dataclasses.Field, value: Any) -> None:
+    """A non-empty tuple of distinct strings, each one of the choices when they are declared."""
+    choices = f.metadata["choices"]
+    wanted = f"one or more of {', '.join(choices)}" if choices else "one or more strings"
+    items = value if isinstance(value, tuple) else ()
+    bad = [item for item in items if not isinstance(item, str) or (choices and item not in choices)]
+    if not items or bad or len(set(items)) != len(items):
+        raise ConfigError(f"{f.name} must be {wanted} (no repeats), got {value!r}")
+
+
 def _argument_type(f: dataclasses.Field):
     """An argparse type converting the text and applying the field's own check, so that a bad
     value is a usage error naming the flag (exit 2) before anything loads."""
@@ -227,7 +245,7 @@ def _argument_type(f: dataclasses.Field):
 
     def parse(text: str) -> Any:
         try:
-            value = kind(text)
+            value = tuple(text.split(",")) if kind is tuple else kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {kind.__name__}: {text[:40]!r}") from None
         try:

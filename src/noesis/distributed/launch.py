@@ -21,6 +21,7 @@ from noesis.distributed.layers import check_shardable
 from noesis.distributed.runner import PoolShape, TensorParallelRunner, serve
 from noesis.engine.loading import LoadedModel, read_model_config, resolve_device
 from noesis.errors import ConfigError
+from noesis.models.capabilities import check_load
 from noesis.weights.hub import resolve_model_dir
 
 _group: ParallelGroup | None = None  # this process's group (rank 0), reused across engines
@@ -37,7 +38,9 @@ class TensorParallel:
             raise SystemExit(serve_torchrun_rank())
         _check_config(config)
         self.size = config.tensor_parallel_size
-        check_shardable(read_model_config(resolve_model_dir(model, config.revision)), self.size)
+        model_config = read_model_config(resolve_model_dir(model, config.revision))
+        check_load(config.capabilities, model_config.capabilities, model_config.architecture)
+        check_shardable(model_config, self.size)
         self.group = _connect(self.size, config.device)
 
     def load(self, model: str, config) -> LoadedModel:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from noesis.errors import ConfigError
+from noesis.models.capabilities import CAPABILITY_NAMES
 from noesis.options import INT_MAX, check_options, option
 
 if TYPE_CHECKING:
@@ -77,6 +78,12 @@ class EngineConfig:
         "elsewhere); --no-overlap-steps reads every step back first"))
     revision: str | None = field(default=None, metadata=option(
         "Hugging Face repos: the branch, tag or commit to load (default: main)"))
+    # What to load of a checkpoint that can do more than text (noesis.models.capabilities);
+    # checked against the checkpoint's own once its config.json is read.
+    capabilities: tuple[str, ...] = field(default=("text",), metadata=option(
+        "what to load, comma-separated: text (a vision-language checkpoint's text model alone, "
+        "its vision weights never read; noesis has no vision or audio encoder yet)",
+        choices=CAPABILITY_NAMES, metavar="NAMES"))
     # Process-wide kernel switches, applied when an engine is built on CUDA (the last engine
     # built sets them for the process); benchmarks flip the module flags directly.
     triton_kernels: bool = field(default=True, metadata=option(
@@ -117,7 +124,14 @@ class EngineConfig:
     sidecars: SidecarsConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.capabilities, (list, str)):  # ["text"], or "text,vision" as the flag
+            names = self.capabilities.split(",") if isinstance(self.capabilities, str) \
+                else self.capabilities
+            object.__setattr__(self, "capabilities", tuple(names))
         check_options(self)
+        if "text" not in self.capabilities:
+            raise ConfigError(f"capabilities must include text (noesis generates text), got "
+                              f"{self.capabilities!r}")
         _check_control(self.control)
         if not DEVICE_PATTERN.fullmatch(str(self.device)):
             raise ConfigError(f"unknown device {self.device!r} (use auto, cpu, cuda, cuda:N or "

@@ -69,7 +69,7 @@ class Engine:
         else:
             self.loaded = load_model(
                 model, config.device, config.dtype, config.revision, config.progress,
-                gguf_weights=config.gguf_weights,
+                gguf_weights=config.gguf_weights, capabilities=config.capabilities,
             )
         model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from noesis.errors import ConfigError
+from noesis.models.capabilities import RUNNABLE, check_load
 from noesis.models.config import ModelConfig
 from noesis.models.decoder import DecoderLM
 from noesis.models.registry import model_class
@@ -106,8 +107,11 @@ def load_model(
     revision: str | None = None,
     progress: bool = True,
     gguf_weights: str = "auto",
+    capabilities: tuple[str, ...] = ("text",),
 ) -> LoadedModel:
-    """`gguf_weights` (GGUF files): "packed", "dequantized", or "auto" (EngineConfig's)."""
+    """`gguf_weights` (GGUF files): "packed", "dequantized", or "auto" (EngineConfig's);
+    `capabilities`: those to load, checked against the checkpoint's before any weight is read
+    (noesis.models.capabilities)."""
     start = time.perf_counter()
     gguf = open_gguf(model) if is_gguf(model) else None
     if gguf is not None:  # one file: metadata, vocabulary and (quantized) tensors
@@ -117,6 +121,7 @@ def load_model(
         model_dir = resolve_model_dir(model, revision)
         config = read_model_config(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir, config.eos_token_ids)
+    check_load(capabilities, config.capabilities, config.architecture)
     if config.family == "gpt_oss":
         _render_harmony(tokenizer)
     device = resolve_device(device)
@@ -264,9 +269,10 @@ def _parameter_counts(index: dict, config: ModelConfig) -> dict[str, int]:
 
 
 def _capabilities_line(params: dict[str, int], elem: int) -> str:
-    """What each capability's weights cost in memory; only text is loaded."""
+    """What each capability's weights cost in memory; only text is loaded (the others would be
+    with an encoder noesis lacks: noesis.models.capabilities.RUNNABLE)."""
     return "; ".join(
-        f"{name} {_gib(count * elem)}" + (" (loaded)" if name == "text" else " (not loaded)")
+        f"{name} {_gib(count * elem)}" + (" (loaded)" if name in RUNNABLE else " (not loaded)")
         for name, count in params.items()
         if name != "experts"
     )

@@ -27,12 +27,18 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Lfm2ForCausalLM": "lfm2",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model; see CAPABILITIES
+    "Qwen2VLForConditionalGeneration": "qwen2",  # the same
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",  # the same
 }
 # Checkpoints that hold more than a text model: their capabilities beyond text, each with the
-# tensor-name prefixes of its weights. noesis loads the text model only (under TEXT_PREFIX) and
-# never reads the others' tensors.
+# tensor-name prefixes of its weights. noesis loads the text model only (under TEXT_PREFIX, or
+# under the plain names) and never reads the others' tensors (noesis.models.capabilities).
 CAPABILITIES = {
     "Gemma3ForConditionalGeneration": {"vision": ("vision_tower.", "multi_modal_projector.")},
+    # The Hub's layout, which transformers also writes: the text model under model.* and
+    # lm_head, the vision tower and its merger under visual.*.
+    "Qwen2VLForConditionalGeneration": {"vision": ("visual.",)},
+    "Qwen2_5_VLForConditionalGeneration": {"vision": ("visual.",)},
 }
 TEXT_PREFIX = {"Gemma3ForConditionalGeneration": "language_model."}
 # config.json's model_type -> the architecture transformers' AutoModelForCausalLM picks for it,
@@ -511,6 +517,8 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any], head_dim: int, max_pos: i
     rope_type = _str(params, "rope_type", _str(params, "type", "default"))
     if rope_type == "su":
         rope_type = "longrope"
+    if rope_type == "mrope":  # Qwen2-VL's M-RoPE: time, height and width positions, each on
+        rope_type = "default"  # its share of the dims; for text all three are the position
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModel(
             f"rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})"

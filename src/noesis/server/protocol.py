@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from noesis.models.capabilities import RUNNABLE, refusal
 from noesis.sampling.params import (
     INT64_MAX,
     MAX_LOGIT_BIAS,
@@ -712,8 +713,17 @@ def _tool_call(param: str, call: dict[str, Any]) -> dict[str, Any]:
 def _text_part(param: str, part: dict[str, Any]) -> str:
     if part.get("type") != "text" or not isinstance(part.get("text"), str):
         kind = part.get("type")
+        refused_input(param, kind)
         raise APIError(400, f"{param}: only text parts are supported, got {kind!r}", param)
     return part["text"]
+
+
+def refused_input(param: str, part_type: Any) -> None:
+    """A 400 saying why an image or audio part cannot be read: every model noesis serves is
+    loaded text-only (noesis.models.capabilities.RUNNABLE). Other part types pass."""
+    reason = refusal(part_type, RUNNABLE)
+    if reason is not None:
+        raise APIError(400, f"{param}: {reason}", param, "unsupported_value")
 
 
 def _not_supported(name: str, why: str) -> APIError:

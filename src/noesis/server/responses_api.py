@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError
 
 from noesis.sampling.params import INT64_MAX
 from noesis.server.errors import APIError, from_exception
-from noesis.server.protocol import ChatCompletionRequest, _Model, check_schema
+from noesis.server.protocol import ChatCompletionRequest, _Model, check_schema, refused_input
 
 _encoder = json.JSONEncoder(separators=(",", ":"))  # ASCII-only, as the chat streams
 _PART_TEXT = ("input_text", "output_text", "text")  # text parts of a message item
@@ -141,6 +141,7 @@ class ResponsesRequest(_Model):
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                                  "content": _item_text(f"{param}.output", item.get("output"))})
             else:
+                refused_input(f"{param}.type", kind)  # an image or audio part as an item
                 raise APIError(400, f"{param}.type: {_shown(kind)} items are not supported "
                                "(message, function_call, function_call_output)",
                                f"{param}.type", "unsupported_value")
@@ -193,6 +194,7 @@ def _item_text(param: str, content: Any) -> str:
         if not isinstance(part, dict) or part.get("type") not in _PART_TEXT \
                 or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else part
+            refused_input(f"{param}[{index}]", kind)
             raise APIError(400, f"{param}[{index}]: only text parts are supported, got "
                            f"{_shown(kind)}", f"{param}[{index}]", "unsupported_value")
         texts.append(part["text"])
