@@ -3,7 +3,9 @@ KV slots, page tables, sampling rows) before running it; the other ranks run `se
 what they receive, so every rank enters the same collectives in the same order.
 
 Messages from rank 0, in order: ("load", (model, EngineConfig)), ("pool", PoolShape), then
-("step", ForwardInputs) per forward, until ("stop", None) or the next "load".
+("step", (ForwardInputs, conv slots)) per forward, until ("stop", None) or the next "load". The
+conv slots (LFM2, else None) are rank 0's short-convolution state slots of the step's sequences,
+(first pages, slots): rank 0's pool assigns them, the others' pools follow.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class TensorParallelRunner(ModelRunner):
         if self.group.broken:
             raise self.group.failed(RuntimeError("an earlier step failed"))
         try:
-            self.group.send(("step", moved(inputs, torch.device("cpu"))))
+            host = torch.device("cpu")
+            self.group.send(("step", (moved(inputs, host), conv_slots(self.kv, inputs))))
             return super().forward_inputs(inputs)
         except Exception as exc:
             raise self.group.failed(exc) from exc
@@ -72,6 +75,17 @@ def moved(inputs: ForwardInputs, device: torch.device) -> ForwardInputs:
     return replace(inputs, input_ids=inputs.input_ids.to(device),
                    positions=inputs.positions.to(device), attn=attn,
                    sample_rows=inputs.sample_rows.to(device))
+
+
+def conv_slots(kv: KVPool, inputs: ForwardInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first pages [S], their conv-state slots [S]) of the step's sequences, on the host; None
+    without short convolutions."""
+    if kv.conv is None:
+        return None
+    attn = inputs.attn
+    firsts = [span.pages[:1] for span in attn.prefills] + [attn.decode_pages[:, :1].flatten()]
+    pages = torch.cat(firsts)
+    return pages.cpu(), kv.conv.slot_of_page[pages].cpu()
 
 
 def worker_runner(loaded, shape: PoolShape) -> ModelRunner:
@@ -108,7 +122,11 @@ def serve(group: ParallelGroup) -> None:
                 runner = worker_runner(loaded, payload)
                 group.barrier()
             elif kind == "step":
-                runner.forward_inputs(moved(payload, group.device))
+                inputs, slots = payload
+                if slots is not None:
+                    pages, slot = (t.to(group.device) for t in slots)
+                    runner.kv.conv.slot_of_page.index_copy_(0, pages, slot)
+                runner.forward_inputs(moved(inputs, group.device))
             else:
                 return
     except Exception:

@@ -84,14 +84,13 @@ def iter_tensors(path: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tenso
 def iter_slices(
     path: Path, slices: list[tuple[str, int, int, int]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, part) for each (name, dim, start, length) of one file, dim 0 or 1: only that
-    part is read from the mmap (a tensor-parallel rank's shard), never the whole tensor."""
+    """Yield (name, part) for each (name, dim, start, length) of one file: only that part is
+    read from the mmap (a tensor-parallel rank's shard), never the whole tensor."""
     with _open(path) as handle:
         for key, dim, start, length in slices:
             try:
                 part = handle.get_slice(key)
-                window = slice(start, start + length)
-                yield key, part[window] if dim == 0 else part[:, window]
+                yield key, part[(slice(None),) * dim + (slice(start, start + length),)]
             except SafetensorError as exc:
                 raise CheckpointError(f"{path}: cannot read tensor {key}: {exc}") from exc
 
