@@ -167,7 +167,9 @@ def warm_turns(session: VoiceSession, questions) -> list[dict]:
     return rows
 
 
-def cold_turns(session: VoiceSession, questions, tts: str, count: int) -> list[dict]:
+def cold_turns(
+    session: VoiceSession, questions, tts: str, count: int, config: str | None = None
+) -> list[dict]:
     """`noesis voice --in q.wav` in a fresh process per question: the first turn of a process."""
     rows = []
     synth = session.synthesizer
@@ -182,7 +184,8 @@ def cold_turns(session: VoiceSession, questions, tts: str, count: int) -> list[d
             began = time.perf_counter()
             subprocess.run(
                 [sys.executable, "-m", "noesis.cli", "voice", "--in", str(question), "--out",
-                 str(Path(tmp, f"a{i}.wav")), "--tts", tts, "--report", str(report)],
+                 str(Path(tmp, f"a{i}.wav")), "--tts", tts, "--report", str(report)]
+                + (["--config", config] if config else []),
                 check=True, capture_output=True,
             )  # fmt: skip
             turn = json.loads(report.read_text())["turns"][-1]
@@ -215,7 +218,7 @@ def main() -> int:
     for tts in args.tts:
         session = VoiceSession.build(config, "whisper", tts)
         rows = warm_turns(session, questions)
-        cold = cold_turns(session, questions, tts, args.cold) if args.cold else []
+        cold = cold_turns(session, questions, tts, args.cold, args.config) if args.cold else []
         result["voices"][tts] = {
             "turns": rows,
             "correct": sum(r.get("correct", False) for r in rows),

@@ -1,12 +1,14 @@
 """Voice benchmark: word error rate of the recognizers on synthesized speech, and synthesis time.
 
-    python benchmarks/voice_wer.py [--threads 2] [--limit N] [--json .bench/voice_wer.json]
+    python benchmarks/voice_wer.py [--threads 2] [--limit N] [--window-s 30 10] \
+        [--json .bench/voice_wer.json]
 
 Speech comes from tests/unit/voice_synth.py: the sentences and commands there, spoken by the Piper
 voice (en_US-joe-medium) and by espeak-ng, resampled to 16 kHz. Whisper tiny.en transcribes
 everything; the pocketsphinx grammar recognizer transcribes the commands. WER is corpus-level
 (errors / reference words, after lowercasing and dropping punctuation). Synthesis time is per
-sentence, after one warm-up. Prints a table and writes JSON.
+sentence, after one warm-up. `--window-s` compares Whisper encoder windows on the same audio
+(30: Whisper's own; shorter: WhisperRecognizer(window_s=...)). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -68,23 +70,34 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=None, help="only the first N sentences")
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "voice_wer.json")
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        nargs="+",
+        default=[30.0],
+        help="Whisper encoder windows to compare, seconds (30: the full window)",
+    )
     args = parser.parse_args()
 
     sentences = voice_synth.SENTENCES[: args.limit]
     commands = voice_synth.COMMANDS
     audio, synth_seconds = synthesize_all(sentences + commands)
-    whisper = WhisperRecognizer(threads=args.threads)
+    whispers = [
+        WhisperRecognizer(threads=args.threads, window_s=None if window >= 30 else window)
+        for window in args.window_s
+    ]
     grammar = GrammarRecognizer()
     results = []
     for voice in VOICES:
-        results.append(score(whisper, audio, voice, sentences, "sentences"))
-        results.append(score(whisper, audio, voice, commands, "commands"))
+        for whisper in whispers:
+            results.append(score(whisper, audio, voice, sentences, "sentences"))
+            results.append(score(whisper, audio, voice, commands, "commands"))
         results.append(score(grammar, audio, voice, commands, "commands"))
 
-    print(f"{'recognizer':<22}{'voice':<8}{'set':<10}{'n':>4}{'WER':>8}{'s/utt':>8}{'RTF':>7}")
+    print(f"{'recognizer':<26}{'voice':<8}{'set':<10}{'n':>4}{'WER':>8}{'s/utt':>8}{'RTF':>7}")
     for r in results:
         print(
-            f"{r['recognizer']:<22}{r['voice']:<8}{r['set']:<10}{r['utterances']:>4}"
+            f"{r['recognizer']:<26}{r['voice']:<8}{r['set']:<10}{r['utterances']:>4}"
             f"{r['wer']:>8.1%}{r['mean_seconds']:>8.3f}{r['real_time_factor']:>7.3f}"
         )
     synthesis = {

@@ -98,6 +98,13 @@ def test_config_files_override_defaults(tmp_path: Path):
     bad.write_text(json.dumps({"threads": {"tts": 0}}))
     with pytest.raises(ConfigError, match="threads.tts"):
         load_config(bad)
+    assert load_config(toml).asr_window_s == DEFAULTS["asr"]["window_s"]
+    bad.write_text(json.dumps({"asr": {"window_s": 30}}))  # Whisper's own window
+    assert load_config(bad).asr_window_s == 30.0
+    for wrong in ({"window_s": 0.5}, {"window_s": "10"}, {"window_s": 10, "beam": 2}):
+        bad.write_text(json.dumps({"asr": wrong}))
+        with pytest.raises(ConfigError, match="window_s"):
+            load_config(bad)
     bad.write_text(json.dumps({"colour": 1}))
     with pytest.raises(ConfigError, match="unknown voice config keys"):
         load_config(bad)

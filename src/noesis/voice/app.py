@@ -279,7 +279,10 @@ def _recognizer(kind: str, config: VoiceConfig):
     if kind == "whisper":
         from noesis.voice.asr import WhisperRecognizer
 
-        return WhisperRecognizer(threads=config.threads.asr)
+        window = config.asr_window_s
+        return WhisperRecognizer(
+            threads=config.threads.asr, window_s=window if window < 30 else None
+        )
     from noesis.voice.asr import GrammarRecognizer
 
     return GrammarRecognizer()

@@ -54,6 +54,12 @@ DEFAULTS: dict[str, Any] = {
     # two (first sentence's audio 96 ms after its last token, median of 10 turns, against 150 ms
     # with one: short answers are complete before it starts).
     "threads": {"vad": 1, "asr": 2, "router": 1, "llm": 1, "tts": 2},
+    # Whisper's encoder window in seconds: 30 is Whisper's own; less cuts a shorter utterance's
+    # encoder input to the utterance, padded to this many seconds (noesis.voice.asr). 10 s: the
+    # encoder's 0.9 CPU-s per turn becomes 0.13; 40 spoken questions 34/40 right (30 s: 33/40),
+    # WER on 30 sentences Piper 2.8% (2.4%), espeak-ng 8.9% (13.8%); one-word commands suffer
+    # (Piper 3 of 8 wrong, 1 with 30 s): benchmarks/RESULTS.md, issue 23.
+    "asr": {"window_s": 10},
     "pool": {"memory_budget_bytes": 512 * 2**20, "prefetch_chunk_bytes": 4 * 2**20},
     "generation": {
         "dtype": "float32", "temperature": 0.0, "max_tokens": 160, "max_model_len": 1024,
@@ -110,6 +116,7 @@ class VoiceConfig:
     prefetch_chunk_bytes: int
     generation: Generation
     queue_size: int
+    asr_window_s: float = 30.0
 
     def route(self, task: str, cuda_available: bool | None = None) -> Route:
         """The expert, device and tools of the first rule matching `task`."""
@@ -201,6 +208,7 @@ def parse(raw: dict[str, Any]) -> VoiceConfig:
         prefetch_chunk_bytes=_positive(pool, "prefetch_chunk_bytes"),
         generation=generation,
         queue_size=_positive(raw, "queue_size"),
+        asr_window_s=_window(raw["asr"]),
     )
 
 
@@ -231,6 +239,16 @@ def _path(value: str) -> Path:
         return bundled
     path = Path(value)
     return path if path.is_absolute() else REPO_ROOT / path
+
+
+def _window(asr: dict[str, Any]) -> float:
+    unknown = sorted(set(asr) - {"window_s"})
+    value = asr.get("window_s")
+    if unknown or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"voice config [asr] takes window_s (seconds), got {asr!r}")
+    if not 1 <= value <= 30:
+        raise ConfigError(f"voice config asr.window_s must be in [1, 30] seconds, got {value}")
+    return float(value)
 
 
 def _positive(table: dict[str, Any], key: str) -> int:
