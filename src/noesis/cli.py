@@ -691,13 +691,30 @@ def _eval_tools(args: argparse.Namespace) -> int:
 
 
 def _speculative_line(spec: dict) -> str:
-    rate, per_verify = spec["acceptance"], spec["tokens_per_verify"]
-    return (
+    """The speculator's summary: its totals, then a table per output channel."""
+    lines = [
         f"\nspeculative decoding ({spec['method']}, k={spec['k']}): acceptance "
-        f"{'-' if rate is None else f'{100 * rate:.1f}%'} ({spec['accepted']}/{spec['proposed']} "
-        f"proposed tokens), {'-' if per_verify is None else f'{per_verify:.2f}'} tokens per "
-        f"verify row over {spec['verify_rows']} rows"
-    )
+        f"{_ratio(spec['acceptance'], percent=True)} ({spec['accepted']}/{spec['proposed']} "
+        f"proposed tokens), {_ratio(spec['tokens_per_verify'])} tokens per verify row over "
+        f"{spec['verify_rows']} rows, {_ratio(spec['tokens_per_target_row'])} tokens per target "
+        f"forward per request ({spec['generated']} tokens / {spec['target_rows']} rows)",
+        f"{'channel':<12}{'proposed':>10}{'accepted':>10}{'acceptance':>12}{'verify rows':>13}"
+        f"{'mean accepted':>15}{'tokens/forward':>16}",
+    ]
+    for name, counts in spec["channels"].items():
+        lines.append(
+            f"{name:<12}{counts['proposed']:>10}{counts['accepted']:>10}"
+            f"{_ratio(counts['acceptance'], percent=True):>12}{counts['verify_rows']:>13}"
+            f"{_ratio(counts['mean_accepted_length']):>15}"
+            f"{_ratio(counts['tokens_per_target_row']):>16}"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None, percent: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" if percent else f"{value:.2f}"
 
 
 def _eval_header(meta: dict, report: dict) -> str:

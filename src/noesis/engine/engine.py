@@ -223,9 +223,15 @@ class Engine:
 
     @property
     def spec_counts(self) -> dict[str, int]:
-        """Speculative decoding's counters (verify rows, proposed and accepted tokens); empty
-        when it is off."""
+        """Speculative decoding's counters (verify rows, proposed and accepted tokens, rows
+        that sampled and the tokens they added: speculative.speculator); empty when off."""
         return dict(self.speculator.counts) if self.speculator is not None else {}
+
+    @property
+    def spec_channels(self) -> dict[str, dict[str, int]]:
+        """The same counters per output channel (speculative.channels); empty when off."""
+        spec = self.speculator
+        return {k: dict(v) for k, v in spec.channels.items()} if spec is not None else {}
 
     def _num_pages(self) -> int:
         cfg = self.config

@@ -26,6 +26,7 @@ class EngineStats:
     request_errors: int = 0  # requests ended by a failure of their own
     grammar: dict[str, int] = field(default_factory=dict)  # the grammar compiler's stats()
     speculative: dict[str, int] = field(default_factory=dict)  # Engine.spec_counts ({}: off)
+    spec_channels: dict[str, dict[str, int]] = field(default_factory=dict)  # per channel
     telemetry: dict[str, tuple] = field(default_factory=dict)  # its histograms ({}: off)
     sidecars: dict[str, dict] = field(default_factory=dict)  # SidecarRuntime.stats() ({}: none)
 
@@ -35,6 +36,7 @@ class EngineStats:
         return cls(
             grammar=engine.grammar_stats(),
             speculative=engine.spec_counts,
+            spec_channels=engine.spec_channels,
             telemetry=engine.observer.telemetry.snapshot()
             if engine.observer is not None and engine.observer.telemetry is not None else {},
             compiling=engine.num_compiling,

@@ -161,9 +161,13 @@ class _EngineCollector:
         for key, doc in (("proposed", "Speculative decoding: proposed tokens verified"),
                          ("accepted", "Speculative decoding: proposed tokens accepted"),
                          ("verify_rows", "Speculative decoding: verify rows run (one per "
-                          "request per step that verified proposals)")):
+                          "request per step that verified proposals)"),
+                         ("target_rows", "Speculative decoding: rows of target forwards that "
+                          "sampled a token (plain or verify)"),
+                         ("generated", "Speculative decoding: tokens those rows added")):
             yield CounterMetricFamily(f"noesis_spec_{key}", doc,
                                       value=stats.speculative.get(key, 0))
+        yield from _spec_channel_metrics(stats.spec_channels)
         yield from _telemetry_histograms(stats.telemetry)
         yield from _sidecar_metrics(stats.sidecars)
         faults = self.engine.fault_counts()
@@ -204,6 +208,28 @@ def _telemetry_histograms(snapshot: dict[str, tuple]):
             buckets.append((repr(float(bound)), running))
         buckets.append(("+Inf", count))
         yield HistogramMetricFamily(f"noesis_{name}", doc, buckets=buckets, sum_value=total)
+
+
+SPEC_CHANNEL_COUNTERS = {
+    "verify_rows": "verify rows run, by the channel of the row's first proposed position",
+    "proposed": "proposed tokens verified",
+    "accepted": "proposed tokens accepted",
+    "target_rows": "rows of target forwards that sampled a token (plain or verify)",
+    "generated": "tokens those rows added (generated / target_rows: tokens per target forward)",
+}
+
+
+def _spec_channel_metrics(channels: dict[str, dict[str, int]]):
+    """Speculative decoding's counters per output channel (label `channel`: Harmony's analysis,
+    commentary, final, header, other; text for other tokenizers). None when it is off."""
+    for key, doc in SPEC_CHANNEL_COUNTERS.items():
+        family = CounterMetricFamily(f"noesis_spec_channel_{key}",
+                                     f"Speculative decoding per channel: {doc}",
+                                     labels=["channel"])
+        for channel, counts in channels.items():
+            family.add_metric([channel], counts[key])
+        if channels:
+            yield family
 
 
 def _sidecar_metrics(sidecars: dict[str, dict]):

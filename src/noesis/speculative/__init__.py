@@ -6,6 +6,8 @@ What each module owns:
 - `verify`: the verification math on the device (greedy match, modified rejection sampling).
 - `adaptive`: DepthController, the per-request depth and back-off state (pure Python).
 - `draft`: DraftProposer, a draft checkpoint with its own paged KV pool and page allocator.
+- `channels`: ChannelTracker, each sequence's Harmony channel, for the per-channel counters.
+- `speculator`: Speculator, the engine's seam: who speculates, proposals in, outcomes booked.
 
 Importing this package needs no torch; `proposer` and `verify` import it themselves.
 """

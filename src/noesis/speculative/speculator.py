@@ -12,6 +12,14 @@ captured (`capture_graphs`), while a verify step could not replay them: the runn
 sequences plus their proposals must fit the largest graph (`max_rows`). An eager verify step
 costs what ~20 replayed decode steps cost on a launch-bound model, and a step of more rows is
 compute-bound anyway.
+
+Counters: in total (`counts`) and per output channel (`channels`: Harmony's analysis,
+commentary, final, plus header and other; "text" for a tokenizer without Harmony's tokens), a
+row booked to the channel of the first position it fills. Besides the verify rows and their
+proposed and accepted tokens, every row that sampled a token (`target_rows`, plain or verify,
+of a request running while speculation is on) and the tokens those rows added (`generated`):
+generated / target_rows is the tokens a request gets per target forward (1.0 without
+speculation).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from noesis.planner.sequence import Sequence as Seq
 from noesis.planner.sequence import SequenceStatus
 from noesis.speculative.adaptive import DepthController
+from noesis.speculative.channels import ChannelScheme, ChannelTracker
 from noesis.speculative.config import SpeculativeConfig
 from noesis.speculative.grammar import grammar_prefix
 from noesis.speculative.proposer import NgramProposer, Proposals, Proposer, StepProposals
@@ -32,23 +41,25 @@ if TYPE_CHECKING:
     from noesis.engine.engine import EngineConfig
     from noesis.engine.loading import LoadedModel
 
+COUNTERS = ("verify_rows", "proposed", "accepted", "target_rows", "generated")
+
 # Draft model: its KV pool holds what every sequence could need, capped to this share of the
 # target's KV budget (it is the smaller model, and its cache is rebuilt from the history).
 DRAFT_KV_SHARE = 0.25
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
+                 scheme: ChannelScheme | None = None) -> None:
         self.config = config
         self.proposer = proposer
+        self.scheme = scheme if scheme is not None else ChannelScheme()
         self._controllers: dict[int, DepthController] = {}  # seq_id -> its depth controller
+        self._trackers: dict[int, ChannelTracker] = {}  # seq_id -> where its output stands
         self._paused = False  # the running batch is over config.max_batch or max_rows
         self.max_rows: int | None = None  # rows of the largest verify step that replays a graph
-        self.counts = {
-            "verify_rows": 0,
-            "proposed": 0,
-            "accepted": 0,
-        }
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.channels = {name: dict.fromkeys(COUNTERS, 0) for name in self.scheme.names}
 
     @classmethod
     def build(
@@ -57,8 +68,9 @@ class Speculator:
         """The configured proposer: a draft model loaded next to the target (on its device, in
         its dtype, pages of its size), or prompt lookup. `kv_memory`: the target's KV budget."""
         config = engine.speculative
+        scheme = ChannelScheme.of(target.tokenizer)
         if config.method == "ngram":
-            return cls(config, NgramProposer(config.ngram_max, config.ngram_min))
+            return cls(config, NgramProposer(config.ngram_max, config.ngram_min), scheme)
         from noesis.speculative.draft import DraftProposer
 
         wanted = engine.max_num_seqs * -(-max_model_len // engine.page_size)
@@ -73,7 +85,7 @@ class Speculator:
             max_model_len=max_model_len,
             entropy_cutoff=config.entropy_cutoff,
         )
-        return cls(config, proposer)
+        return cls(config, proposer, scheme)
 
     @property
     def needs_knobs(self) -> bool:
@@ -123,36 +135,52 @@ class Speculator:
         return StepProposals(proposals, row_of), num_drafts
 
     def summary(self) -> dict:
-        """The configuration and counters, with acceptance (accepted / proposed) and tokens
-        per verify row (accepted + the token after them, per row): the eval report's view."""
-        counts, rows = self.counts, self.counts["verify_rows"]
-        proposed, accepted = counts["proposed"], counts["accepted"]
+        """The configuration and counters with their rates (`rates`), in total and per
+        channel: the eval report's view."""
         return {
             "method": self.config.method,
             "draft": self.config.draft,
             "k": self.config.k,
-            **counts,
-            "acceptance": accepted / proposed if proposed else None,
-            "tokens_per_verify": (accepted + rows) / rows if rows else None,
+            **rates(self.counts),
+            "channels": {name: rates(counts) for name, counts in self.channels.items()},
         }
 
     def record(self, seq: Seq, proposed: int, accepted: int) -> None:
-        """One sampled step of `seq`: `proposed` proposals judged (0: a plain step), `accepted`
-        of them kept."""
+        """One sampled step of `seq`, read back and appended: `proposed` proposals judged (0:
+        a plain step), `accepted` of them kept."""
+        channel = self._count_tokens(seq)
         if seq.seq_id not in self._controllers:
             return  # never asked for a depth (speculation paused): no controller to feed
         self._controllers[seq.seq_id].record(proposed, accepted)
         if proposed:
             seq.spec_proposed += proposed
             seq.spec_accepted += accepted
-            self.counts["verify_rows"] += 1
-            self.counts["proposed"] += proposed
-            self.counts["accepted"] += accepted
+            for counts in (self.counts, self.channels[channel]):
+                counts["verify_rows"] += 1
+                counts["proposed"] += proposed
+                counts["accepted"] += accepted
 
     def release(self, seq: Seq) -> None:
-        """The request ended: drop its controller and the proposer's state (a draft's pages)."""
+        """The request ended: drop its controller, its channel tracker and the proposer's
+        state (a draft's pages)."""
         self._controllers.pop(seq.seq_id, None)
+        self._trackers.pop(seq.seq_id, None)
         self.proposer.release(seq.request_id)
+
+    def _count_tokens(self, seq: Seq) -> str:
+        """Book the tokens `seq` took since its last step to the channel of the first of
+        them, and move its tracker past them; returns that channel."""
+        tracker = self._trackers.get(seq.seq_id)
+        if tracker is None:
+            tracker = self._trackers[seq.seq_id] = self.scheme.tracker()
+            tracker.advance(seq.token_ids[: seq.prompt_len])
+        channel = tracker.channel
+        taken = tracker.advance(seq.token_ids)
+        if taken:
+            for counts in (self.counts, self.channels[channel]):
+                counts["target_rows"] += 1
+                counts["generated"] += taken
+        return channel
 
     def _ready(self, seq: Seq) -> bool:
         return (
@@ -168,6 +196,21 @@ class Speculator:
         if controller is None:
             controller = self._controllers[seq.seq_id] = DepthController(self.config)
         return controller.depth
+
+
+def rates(counts: dict[str, int]) -> dict:
+    """`counts` (COUNTERS) with acceptance (accepted / proposed), mean accepted length
+    (accepted per verify row), tokens per verify row (that plus the token after them) and
+    tokens per target row (generated / target_rows); None where nothing was counted."""
+    rows, targets = counts["verify_rows"], counts["target_rows"]
+    proposed, accepted = counts["proposed"], counts["accepted"]
+    return {
+        **counts,
+        "acceptance": accepted / proposed if proposed else None,
+        "mean_accepted_length": accepted / rows if rows else None,
+        "tokens_per_verify": (accepted + rows) / rows if rows else None,
+        "tokens_per_target_row": counts["generated"] / targets if targets else None,
+    }
 
 
 def _grammar_cut(seqs: Sequence[Seq], proposals: Proposals) -> list[int]:
