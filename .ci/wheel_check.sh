@@ -2,9 +2,11 @@
 # The wheel as a user gets it: build it, install it with the [server] extra into a fresh virtual
 # environment (noesis itself from the wheel only; no clone on its path), then run `noesis chat` on
 # the bundled model and `noesis serve` with one request. Needs .venv (make setup) for the build.
-# uv installs: its cache (.cache/uv) links torch and the other wheels into each fresh venv, so a
-# run after the first takes seconds for the install, not a 750 MB unpack. torch is the build .venv
-# runs, from $PIP_FIND_LINKS where set (a local wheel), else PyTorch's CPU index for a +cpu build.
+# uv installs: its cache links torch and the other wheels into each fresh venv, so a run after the
+# first takes seconds for the install, not a 750 MB unpack. The cache is uv's own ($UV_CACHE_DIR,
+# else ~/.cache/uv), outside the clone, so that a clean clone's CI run on the same machine reuses
+# it. torch is the build .venv runs, from $PIP_FIND_LINKS where set (a local wheel), else
+# PyTorch's CPU index for a +cpu build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -15,7 +17,7 @@ trap 'if [ -n "${SERVER:-}" ]; then kill "$SERVER" 2>/dev/null; wait "$SERVER" |
 start=$(date +%s)
 
 test -x .venv/bin/uv || .venv/bin/python -m pip install -q "uv>=0.5,<1"
-export UV_CACHE_DIR=$ROOT/.cache/uv UV_LINK_MODE=hardlink
+export UV_CACHE_DIR=${UV_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-$ROOT}/.cache}/uv} UV_LINK_MODE=hardlink
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" .
 WHEEL=$(ls "$WORK"/dist/noesis-*.whl)
 .venv/bin/uv venv -q --python "$(.venv/bin/python -c 'import sys; print(sys.executable)')" "$WORK/venv"

@@ -1,11 +1,11 @@
 """End-to-end fixtures: the real `noesis serve` in a subprocess on 127.0.0.1, a tiny checkpoint.
 
-One shared server (session scope) serves most tests; a strict one (a key, a queue of one, CORS)
-serves test_limits.py and test_cors.py; a spare one serves, in turn, the tests that disturb a
-server (overlapped steps, a killed engine process, a SIGTERM drain). Tests that need other flags,
-or that kill the server uncleanly, start their own with `ServerProcess`. Each start costs seconds
-of both CPU cores (two processes import torch), so starts are shared where the flags allow. Every
-request loop in this tier is bounded.
+One shared server (session scope) serves most tests, test_embeddings.py's BERT included; a
+strict one (a key, a queue of one, CORS) serves test_limits.py and test_cors.py; a spare one
+serves, in turn, the tests that disturb a server (overlapped steps, a killed engine process, a
+SIGTERM drain). Tests that need other flags, or that kill the server uncleanly, start their own
+with `ServerProcess`. Each start costs seconds of both CPU cores (two processes import torch), so
+starts are shared where the flags allow. Every request loop in this tier is bounded.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from checkpoints import build_checkpoint
+from checkpoints import build_checkpoint, build_sentence_bert
 
 MODEL_NAME = "tiny-chat"
+BERT_NAME = "mini-bert"  # the shared server's --embedding-model
 CONTEXT = 1024
 STRICT_KEY = "sk-test-123"  # the strict server's, from $NOESIS_API_KEY
 CORS_ORIGIN = "http://localhost:3000"  # one of the strict server's two CORS origins
@@ -151,9 +152,15 @@ def start_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
-def server(start_server) -> ServerProcess:
-    """The shared server: defaults, with room for the concurrency tests."""
-    return start_server("--max-queue", "128", "--max-n", "8")
+def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny sentence-transformers BERT, served beside the decoder by the shared server."""
+    return build_sentence_bert(tmp_path_factory.mktemp("e2e-bert") / BERT_NAME, max_seq_length=12)
+
+
+@pytest.fixture(scope="session")
+def server(start_server, bert_dir: Path) -> ServerProcess:
+    """The shared server: defaults, with room for the concurrency tests, and a BERT embedder."""
+    return start_server("--max-queue", "128", "--max-n", "8", "--embedding-model", str(bert_dir))
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from conftest import MODEL_NAME
 
 NUM_STREAMS = 64
@@ -28,8 +29,11 @@ def _request(i: int) -> dict:
     )
 
 
-def _sequential(client) -> list[tuple[str, list[str]]]:
-    """Each request alone, one after another: (text, tokens)."""
+@pytest.fixture(scope="module")
+def sequential(server) -> list[tuple[str, list[str]]]:
+    """Each request alone on the shared server, one after another: (text, tokens). Seeded, so
+    one run is the reference of both the plain and the overlapped server's concurrent runs."""
+    client = server.client()
     outs = [client.completions.create(**_request(i)).choices[0] for i in range(NUM_STREAMS)]
     return [(out.text, out.logprobs.tokens) for out in outs]
 
@@ -59,8 +63,7 @@ def _concurrent(server) -> list[tuple[str, list[str], object]]:
     return asyncio.run(run())
 
 
-def test_64_concurrent_streams_match_a_sequential_run(server, client):
-    sequential = _sequential(client)
+def test_64_concurrent_streams_match_a_sequential_run(server, sequential):
     for i, (text, tokens, usage) in enumerate(_concurrent(server)):
         assert (text, tokens) == sequential[i], f"stream {i} differs"
         assert usage.completion_tokens == MAX_TOKENS == len(tokens)
@@ -128,7 +131,7 @@ def test_twenty_turn_chat_reuses_its_history(server, client):
     )
 
 
-def test_overlapped_steps_serve_the_same_tokens(spare_server, server, client):
+def test_overlapped_steps_serve_the_same_tokens(spare_server, sequential):
     """A server that plans each step while the last one runs (`--overlap-steps`, the CUDA
     default, forced on here on the CPU): 64 concurrent streams get what the synchronous server
     gives one request at a time, and a client that leaves mid-stream frees its pages."""
@@ -136,7 +139,7 @@ def test_overlapped_steps_serve_the_same_tokens(spare_server, server, client):
     aborted = 'noesis_requests_total{finish_reason="abort"}'
     aborted_before = overlapped.metrics().get(aborted, 0)
     concurrent = [(text, tokens) for text, tokens, _ in _concurrent(overlapped)]
-    assert concurrent == _sequential(client)
+    assert concurrent == sequential
     with overlapped.client().completions.create(
         model=MODEL_NAME,
         prompt="Hello",

@@ -1,6 +1,7 @@
 """/v1/embeddings through the official openai client: the served decoder (last-token or mean
 pooling) and a BERT sentence embedder (--embedding-model), equal to transformers on the same
-weights; batches, token ids, base64, dimensions, usage, and errors for bad input."""
+weights; batches, token ids, base64, dimensions, usage, and errors for bad input. The shared
+server (conftest.py) serves both: a server start of its own cost seconds of both cores."""
 
 from __future__ import annotations
 
@@ -11,22 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from checkpoints import build_sentence_bert
-from conftest import MODEL_NAME
+from conftest import BERT_NAME, MODEL_NAME
 from tokenizers import Tokenizer
 
-BERT_NAME = "mini-bert"
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog."]
 
 
 @pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-    return build_sentence_bert(tmp_path_factory.mktemp("e2e-bert") / BERT_NAME, max_seq_length=12)
-
-
-@pytest.fixture(scope="module")
-def embed_server(start_server, bert_dir):
-    return start_server("--embedding-model", str(bert_dir))
+def embed_server(server):
+    return server
 
 
 @pytest.fixture(scope="module")

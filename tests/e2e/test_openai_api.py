@@ -8,12 +8,12 @@ import time
 
 import httpx
 import pytest
-from conftest import MODEL_NAME, chat
+from conftest import BERT_NAME, MODEL_NAME, chat
 
 
 def test_models_health_and_metrics(server, client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert [m.id for m in models.data] == [MODEL_NAME, BERT_NAME]  # the shared server embeds too
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     metrics = server.metrics()
@@ -263,11 +263,11 @@ def test_a_slow_readers_chunks_add_up_to_the_whole_answer(server, client):
     """A client that reads late may be sent chunks carrying several tokens (text, logprobs and
     offsets merged); concatenated, they equal the whole answer. Whether chunks merge here depends
     on the loopback socket buffers; the merging itself is tested in test_async_engine."""
-    kwargs = dict(model=MODEL_NAME, prompt="Slow", max_tokens=1000, temperature=0, logprobs=5)
+    kwargs = dict(model=MODEL_NAME, prompt="Slow", max_tokens=400, temperature=0, logprobs=5)
     whole = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0]
     body = kwargs | {"stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-        time.sleep(2.0)  # tokens pile up while nothing is read
+        time.sleep(1.0)  # tokens pile up while nothing is read
         raw = response.read()
     choices = [json.loads(e[6:])["choices"][0] for e in raw.split(b"\n\n")[:-2] if e]
     assert all(c["logprobs"]["tokens"] for c in choices)  # no empty chunk

@@ -184,35 +184,45 @@ def test_the_built_in_declarations_render_as_before(tokenizer):
 # ---------------------------------------------------------------- sampling under the grammar
 
 
-def forced_country(llm, temperature: float, seed: int, grounded: bool, ask: str = NORWAY) -> str:
+def forced_countries(llm, cases: list[tuple[float, int, bool, str]]) -> list[str]:
+    """The country argument of each (temperature, seed, grounded, ask), generated in one batch
+    (seeded requests sample what they would alone: test_invariance.py)."""
     from noesis.sampling.params import SamplingParams
     from noesis.turns import turn_params
 
-    messages = [user(ask)]
     declared = tools.schemas(["lookup_country"])
-    base = SamplingParams(temperature=temperature, seed=seed, max_tokens=96)
-    params = turn_params(
-        base, llm.harmony, declared, LOOKUP_COUNTRY, None, messages=messages if grounded else None
-    )
-    (out,) = llm.generate([llm.render_chat(messages, declared)], params)
-    turn = parse_completion(llm.harmony, out.token_ids)
-    assert turn.tool_calls and turn.messages[-1].stop == "call", out.text
-    return json.loads(turn.tool_calls[0].arguments)["country"]
+    prompts, params = [], []
+    for temperature, seed, grounded, ask in cases:
+        messages = [user(ask)]
+        base = SamplingParams(temperature=temperature, seed=seed, max_tokens=96)
+        grounding = messages if grounded else None
+        params.append(
+            turn_params(base, llm.harmony, declared, LOOKUP_COUNTRY, None, messages=grounding)
+        )
+        prompts.append(llm.render_chat(messages, declared))
+    countries = []
+    for out in llm.generate(prompts, params):
+        turn = parse_completion(llm.harmony, out.token_ids)
+        assert turn.tool_calls and turn.messages[-1].stop == "call", out.text
+        countries.append(json.loads(turn.tool_calls[0].arguments)["country"])
+    return countries
 
 
 def test_the_bundled_model_forced_to_pick_a_country_picks_one_from_the_request():
     from noesis.llm import LLM
 
     llm = LLM(str(MODEL_DIR), progress=False)
-    countries = {forced_country(llm, 1.0, seed, grounded=True) for seed in range(4)}
-    countries.add(forced_country(llm, 0.0, 0, grounded=True))
-    assert {c.casefold() for c in countries} == {"norway"}, countries
     # A garbled request: without the keyword the same sampling invents names ("Norweor",
     # "Norwegeria", ...); with it, only the user's words.
     garbled = "how many ppl live in the kingdom of norwey"
-    invented = [forced_country(llm, 1.0, seed, False, garbled) for seed in range(4)]
+    cases = [(1.0, seed, True, NORWAY) for seed in range(4)] + [(0.0, 0, True, NORWAY)]
+    cases += [(1.0, seed, False, garbled) for seed in range(4)]
+    cases += [(1.0, seed, True, garbled) for seed in range(2)]
+    countries = forced_countries(llm, cases)
+    assert {c.casefold() for c in countries[:5]} == {"norway"}, countries[:5]
+    invented = countries[5:9]
     assert any(c.casefold() not in garbled for c in invented), invented
-    copied = {forced_country(llm, 1.0, seed, True, garbled) for seed in range(2)}
+    copied = countries[9:]
     assert all(c.casefold() in garbled for c in copied), copied
 
 

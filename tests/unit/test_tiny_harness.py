@@ -242,13 +242,13 @@ def test_draft_agreement_equals_teacher_forced_count(misses):
 
 @needs_models
 def test_harness_on_the_bundled_pair(bundled):
-    config = harness.EvalConfig(n=2, sampled=SamplingParams(temperature=0.7), seed=3)
+    # One conversation: the summaries' arithmetic over several is test_metrics_on_scripted_outputs'
+    config = harness.EvalConfig(n=1, sampled=SamplingParams(temperature=0.7), seed=3)
     report = harness.evaluate_tools(bundled["target"], config, bundled["draft"])
     assert list(report["runs"]) == ["greedy", "t=0.7 seed=3"]
     for label, summary in report["runs"].items():
-        scores = report["scores"][label]
-        selected = [s["call"]["selection_correct"] for s in scores]
-        assert summary["tool_selection_accuracy"] == sum(selected) / 2
+        [score] = report["scores"][label]
+        assert summary["tool_selection_accuracy"] == float(score["call"]["selection_correct"])
         for key in ("tool_selection_accuracy", "final_answer_accuracy", "end_to_end_accuracy"):
             assert 0.0 <= summary[key] <= 1.0
         assert summary["mean_tokens_to_answer"] > 10
@@ -266,14 +266,14 @@ def test_harness_on_the_bundled_pair(bundled):
 @needs_models
 def test_eval_tools_command(tmp_path, capsys):
     path = tmp_path / "eval.json"
-    argv = ["eval", "tools", "--device", "cpu", "--n", "2", "--json", str(path)]
+    argv = ["eval", "tools", "--device", "cpu", "--n", "1", "--json", str(path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "tool-selection accuracy" in out and "Definitions:" in out
     report = json.loads(path.read_text())
     assert report["command"] == "noesis " + " ".join(argv)
     assert report["model"].endswith("noesis-tiny") and report["dtype"] == "float32"
-    assert report["examples"] == 2 and list(report["runs"]) == ["greedy"]
+    assert report["examples"] == 1 and list(report["runs"]) == ["greedy"]
 
 
 # ---------------------------------------------------------------- golden outcomes
