@@ -501,7 +501,10 @@ def test_wav_question_to_wav_answer_with_the_real_models(tmp_path, whisper):
     turn = report["turns"][0]
     assert turn["task"] == "calculator" and "391" in turn["answer"]
     stages = turn["seconds_after_speech_end"]
-    assert 0 < stages["asr_done"] < stages["first_token"] < stages["first_audio"]
+    # Early turns: ASR starts at the first pause, so it may finish before the end of speech is
+    # decided (negative); the answer's audio is held until then (positive).
+    assert stages["asr_done"] < stages["first_token"] < stages["first_audio"]
+    assert stages["first_audio"] > 0
     answer, rate = read_wav(tmp_path / "a.wav")
     assert rate == piper.sample_rate and len(answer) > rate  # over a second of speech
     from noesis.voice.audio import resample
