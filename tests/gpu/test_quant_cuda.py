@@ -116,6 +116,108 @@ def test_awq_model_greedy_equal_with_and_without_graphs(awq_checkpoint):
     assert runs[True] == runs[False]
 
 
+def packed_projection(n, k, bits, group, gen):
+    """What the packed one-row kernels take of a PackedLinear; group None: one per row."""
+    from types import SimpleNamespace
+
+    group = group or k
+    qweight, scales, zeros, _ = packed_weight(n, k, bits, group, False, gen)
+    return SimpleNamespace(qweight=qweight, scales=scales, qzeros=zeros, bits=bits,
+                           group_size=group)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 128), (8, None)],
+                         ids=["awq-int4-g128", "int8-per-channel"])
+def test_fused_packed_block_matches_the_unfused_steps_at_8b_shapes_compiled(bits, group):
+    """The packed one-row kernels (noesis.quant.packed_row) at the 8B shapes, bf16, with the
+    configs this GPU picks: against PackedLinear's kernel plus the separate norm, RoPE, SiLU-mul
+    and residual; k and v at the slot (bf16 cache, and an fp8 one: quantize() of them)."""
+    from noesis.kernels import pointwise
+    from noesis.kv.fp8 import FP8LayerCache, quantize, scales_from_amax
+    from noesis.models.rope import apply_rotary
+    from noesis.quant import kernel, packed_row
+
+    gen = torch.Generator(device="cuda").manual_seed(19 + bits)
+    hidden, inter, heads, kv_heads, head_dim = 4096, 14336, 32, 8, 128
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+    def bf16(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).bfloat16()
+
+    def unfused(w, inputs):
+        return kernel.packed_matmul(inputs, w.qweight, w.scales, w.qzeros, None, bits,
+                                    w.group_size)
+
+    x, stream, norm = bf16(1, hidden), bf16(1, hidden), bf16(hidden).abs() + 0.5
+    angles = torch.rand(1, head_dim // 2, device="cuda", generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    normed = pointwise.add_rms_norm(x, None, norm, 1e-5)[0]
+    qkv, o, gate_up, down = (packed_projection(n, k, bits, group, gen) for n, k in (
+        (sum(sizes), hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)))
+    want_act = pointwise.silu_mul(unfused(gate_up, normed))
+    act = packed_row.norm_glu(x, norm, 1e-5, gate_up)
+    assert rel_err(act, want_act) < 1e-2
+    attn_out = bf16(1, hidden)
+    want_o = unfused(o, attn_out) + stream
+    assert rel_err(packed_row.gemv(attn_out, o, stream), want_o) < 1e-2
+    want_down = unfused(down, act) + stream
+    assert rel_err(packed_row.gemv(act, down, stream), want_down) < 1e-2
+    q, k, v = (t.view(1, -1, head_dim) for t in unfused(qkv, normed).split(sizes, -1))
+    want = torch.cat([apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v], 1)
+    for fp8 in (False, True):
+        if fp8:
+            cache = FP8LayerCache.empty((2, 64, 16, kv_heads, head_dim), torch.device("cuda"))
+            cache.scales.copy_(scales_from_amax(torch.rand(2, kv_heads, device="cuda") + 1))
+            pages, kv_scales = cache.data, cache.scales
+        else:
+            pages = torch.zeros(2, 64, 16, kv_heads, head_dim, device="cuda").bfloat16()
+            kv_scales = None
+        got = packed_row.norm_qkv_rope_store(x, norm, 1e-5, qkv, heads, kv_heads, cos, sin,
+                                             torch.tensor([37], device="cuda"), pages[0],
+                                             pages[1], kv_scales=kv_scales).view(1, -1, head_dim)
+        assert rel_err(got, want) < 1e-2, fp8
+        got_k, got_v = got[0, heads:heads + kv_heads], got[0, heads + kv_heads:]
+        stored = pages.view(2, -1, kv_heads, head_dim)[:, 37]
+        if fp8:
+            got_k, got_v = quantize(got_k, kv_scales[0]), quantize(got_v, kv_scales[1])
+        assert torch.equal(stored[0].view(torch.uint8), got_k.view(torch.uint8))
+        assert torch.equal(stored[1].view(torch.uint8), got_v.view(torch.uint8))
+
+
+def test_awq_model_on_the_fused_packed_block_matches_the_unfused_one(awq_checkpoint,
+                                                                     monkeypatch):
+    """Batch-1 decode of the tiny AWQ model through the packed one-row block (graphs and
+    eager) against the unfused blocks: same greedy tokens while the top two are apart,
+    logprobs within bf16 rounding."""
+    from noesis import LLM, SamplingParams
+    from noesis.kernels import ops
+    from noesis.quant import packed_row
+
+    def generate(graphs):
+        llm = LLM(str(awq_checkpoint), device="cuda", dtype="bfloat16", progress=False,
+                  cuda_graphs=graphs)
+        return llm.generate([PROMPTS[2]], params)[0]
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    monkeypatch.setattr(ops, "ONE_ROW_FUSION", False)
+    want = generate(graphs=False)
+    monkeypatch.setattr(ops, "ONE_ROW_FUSION", True)
+    launches = []
+    fused_qkv = packed_row.norm_qkv_rope_store
+    monkeypatch.setattr(packed_row, "norm_qkv_rope_store",
+                        lambda *a, **k: launches.append(1) or fused_qkv(*a, **k))
+    for graphs in (True, False):
+        got = generate(graphs)
+        assert launches, "the fused packed path did not run"
+        for step, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
+            top = sorted(want.logprobs[step].values(), reverse=True)
+            if a != b:  # only where the top two are closer than twice the error allowed below
+                assert top[0] - top[1] < 0.2, f"step {step}: diverged on a clear margin"
+                break
+            assert abs(got.logprobs[step][a] - want.logprobs[step][b]) < 0.1, step
+        launches.clear()
+
+
 # ---- fp8 KV ------------------------------------------------------------------------------------
 
 
@@ -213,8 +315,8 @@ def test_fp8_kv_greedy_tokens_equal_bf16_kv(graphs, monkeypatch):
         kw["kv_scales"] is not None) or fused_qkv(*a, **kw))
     fp8 = LLM(str(BUNDLED), kv_cache_dtype="fp8", **options)
     assert fp8.engine.runner.attention.name == "triton-paged-fp8"
-    assert fp8.engine.runner.model.fuse_one_row
     ids, lps = noesis_greedy(fp8, prompt, 40)
+    assert fp8.engine.runner.model.fuse_one_row  # decided at the first one-row step
     assert fp8_writes and all(fp8_writes)
     assert ids == want_ids
     assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < 0.05

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,6 +40,7 @@ KERNEL_MODULES = (
     "noesis.kernels.rope",
     "noesis.kernels.bitmask",
     "noesis.sampling.race_kernel",
+    "noesis.quant.packed_row",
 )
 
 
@@ -55,6 +57,7 @@ def launches() -> dict[str, tuple]:
     from triton.runtime.jit import JITFunction
 
     from noesis.kernels import bitmask, paged_decode, pdl, pointwise, rope, row_gemv
+    from noesis.quant import packed_row
     from noesis.sampling import race_kernel
 
     recorded: list[tuple] = []
@@ -82,6 +85,20 @@ def launches() -> dict[str, tuple]:
     kv_scales = torch.ones(2, kv_heads, 1)
     cos, sin = torch.ones(1, head_dim), torch.zeros(1, head_dim)
     x, norm = torch.zeros(1, hidden, **bf16), torch.ones(hidden, **bf16)
+    qkv_rows, inter = (heads + 2 * kv_heads) * head_dim, 14336
+
+    def packed(n, k, bits, group=128):  # a PackedLinear's tensors: AWQ int4 g128, int8 per row
+        groups = 1 if group == -1 else k // group
+        return SimpleNamespace(
+            qweight=torch.zeros(n, k * bits // 32, dtype=torch.int32),
+            scales=torch.zeros(n, groups, **bf16), qzeros=torch.zeros(n, groups, **bf16),
+            bits=bits, group_size=k if group == -1 else group,
+        )
+
+    def packed_qkv(bits, cache, scales=None):
+        return packed_row.norm_qkv_rope_store(
+            x, norm, 1e-5, packed(qkv_rows, hidden, bits), heads, kv_heads, cos, sin,
+            torch.zeros(1, dtype=torch.int64), cache[0], cache[1], kv_scales=scales)
     calls = {
         "paged decode, batch 1 (two launches)": lambda: paged_decode.paged_decode_attention(
             torch.zeros(1, heads, head_dim, **bf16),
@@ -202,12 +219,34 @@ def launches() -> dict[str, tuple]:
         "one-row norm + LM head": lambda: row_gemv.norm_logits(
             x, norm, 1e-5, torch.zeros(128256, hidden, **bf16)
         ),
+        # the packed block at the configs an H100 picks (down: gemv_configs.json's)
+        "packed one-row o_proj + residual, int4": lambda: packed_row.gemv(
+            torch.zeros(1, heads * head_dim, **bf16), packed(hidden, heads * head_dim, 4), x
+        ),
+        "packed one-row down + residual, int4": lambda: packed_row.gemv(
+            torch.zeros(1, inter, **bf16), packed(hidden, inter, 4), x, config=(64, 256, 4, 3)
+        ),
+        "packed one-row down + residual, int8 per channel": lambda: packed_row.gemv(
+            torch.zeros(1, inter, **bf16), packed(hidden, inter, 8, -1), x
+        ),
+        "packed one-row norm + gate/up + SiLU-mul, int4": lambda: packed_row.norm_glu(
+            x, norm, 1e-5, packed(2 * inter, hidden, 4)
+        ),
+        "packed one-row norm + gate/up + SiLU-mul, int8 per channel": lambda: packed_row.norm_glu(
+            x, norm, 1e-5, packed(2 * inter, hidden, 8, -1)
+        ),
+        "packed one-row norm + qkv + RoPE + KV write, int4": lambda: packed_qkv(4, kv),
+        "packed one-row norm + qkv + RoPE + fp8 KV write, int4": lambda: packed_qkv(
+            4, fp8_kv, kv_scales
+        ),
     }
     pdl_launches = (
         "paged decode, batch 1 (two launches)",
         "paged decode, batch 64 (fused merge)",
         "one-row norm + qkv + RoPE + KV write",
         "one-row o_proj + residual",
+        "packed one-row norm + qkv + RoPE + KV write, int4",
+        "packed one-row o_proj + residual, int4",
     )
 
     def pdl_on(x):
@@ -279,6 +318,8 @@ def compile_launch(kernel, args, kwargs, tmp: Path) -> dict:
         "kernel": kernel.__name__,
         "ptxas": done.stderr,
         "v4_loads": len(re.findall(r"ld\.global\S*\.v4\.", text)),
+        # 16-byte copies into shared memory (a software-pipelined loop's loads)
+        "async_16_byte": len(re.findall(r"cp\.async\S*\s+\[[^]]+\],\s*\[[^]]+\],\s*0x10\b", text)),
         "pdl": "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text,
     }
 
@@ -329,7 +370,10 @@ def test_every_kernel_compiles_for_sm90_without_spills(reports):
         for name, value in vars(module).items()
         if hasattr(value, "arg_names")
     }
-    helpers = {"_mix32", "_x_tile", "quantize_e4m3"}  # called inside kernels, compiled with them
+    helpers = {  # called inside kernels, compiled with them
+        "_mix32", "_x_tile", "quantize_e4m3", "_program_rows", "_rstd", "_row_epilogue",
+        "_packed_tile", "_packed_products", "_unpack_in_thread", "_zero_point",
+    }
     assert {report["kernel"] for report in reports.values()} == kernels - helpers  # all of them
     for name, report in reports.items():
         ptxas = report["ptxas"]
@@ -340,7 +384,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(reports):
 
 def test_programmatic_dependent_launch_compiles_in_where_asked(reports):
     with_pdl = {name for name in reports if "with PDL" in name}
-    assert len(with_pdl) == 5  # paged decode in two launches and in one, two projections
+    assert len(with_pdl) == 7  # paged decode in two launches and in one, four projections
     for name, report in reports.items():
         assert report["pdl"] == (name in with_pdl), name
 
@@ -353,6 +397,16 @@ def test_one_row_gemvs_read_weights_in_16_byte_loads(reports):
         # scalar loads would leave none
         paired = "qkv" in name or "gate" in name
         assert report["v4_loads"] >= (2 if paired else 1), (name, report["v4_loads"])
+
+
+def test_packed_one_row_blocks_read_words_in_16_byte_loads(reports):
+    """The packed kernels' words stream through cp.async (their loops are pipelined): 16 bytes a
+    copy, the pair's rows too in the paired modes."""
+    rows = {name: r for name, r in reports.items() if name.startswith("packed one-row")}
+    assert len(rows) == 9
+    for name, report in rows.items():
+        paired = "qkv" in name or "gate" in name
+        assert report["async_16_byte"] >= (2 if paired else 1), (name, report)
 
 
 if __name__ == "__main__":

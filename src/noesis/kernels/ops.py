@@ -37,6 +37,7 @@ class TritonKernels:
     pdl: ModuleType
     pointwise: ModuleType
     row_gemv: ModuleType
+    packed_row: ModuleType  # noesis.quant.packed_row: row_gemv's for packed int4 / int8 weights
     bitmask: ModuleType
     race: ModuleType
 
@@ -45,12 +46,13 @@ class TritonKernels:
 def _triton() -> TritonKernels | None:
     try:
         from noesis.kernels import bitmask, pdl, pointwise, row_gemv
+        from noesis.quant import packed_row
         from noesis.sampling import race_kernel
     except ImportError as exc:  # asked for on CUDA tensors only, so CPU-only installs stay quiet
         warnings.warn(f"Triton kernels unavailable ({exc}); CUDA runs the PyTorch ops, slower",
                       RuntimeWarning, stacklevel=2)
         return None
-    return TritonKernels(pdl, pointwise, row_gemv, bitmask, race_kernel)
+    return TritonKernels(pdl, pointwise, row_gemv, packed_row, bitmask, race_kernel)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -91,9 +93,20 @@ def one_row_fusion(x: torch.Tensor) -> bool:
     return ONE_ROW_FUSION and _one_half_precision_row(x)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None):
-    """x [1, K] @ weight^T (+ residual), one Triton program per few output rows."""
-    return _triton().row_gemv.gemv(x, weight, residual)
+def _one_row(proj: torch.nn.Module):
+    """The one-row kernels for a bias-free projection, and what they take of it: row_gemv and
+    the weight of an nn.Linear; noesis.quant.packed_row and the module itself of a PackedLinear
+    (the two kinds models.layers.fusable_one_row admits)."""
+    kernels = _triton()
+    if type(proj) is torch.nn.Linear:
+        return kernels.row_gemv, proj.weight
+    return kernels.packed_row, proj
+
+
+def gemv(x: torch.Tensor, proj: torch.nn.Module, residual: torch.Tensor | None = None):
+    """x [1, K] through proj (+ residual), one Triton program per few output rows."""
+    kernels, weight = _one_row(proj)
+    return kernels.gemv(x, weight, residual)
 
 
 def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor):
@@ -101,21 +114,23 @@ def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     return _triton().row_gemv.norm_logits(x, norm_weight, eps, weight)
 
 
-def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor):
-    """silu(gate) * up of rms_norm(x) for one row, in one Triton kernel."""
-    return _triton().row_gemv.norm_glu(x, norm_weight, eps, gate_up)
+def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.nn.Module):
+    """silu(gate) * up of rms_norm(x) through the [gate | up] projection for one row, in one
+    Triton kernel."""
+    kernels, weight = _one_row(gate_up)
+    return kernels.norm_glu(x, norm_weight, eps, weight)
 
 
 def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
                         kv_cache):
-    """rms_norm(x) through the fused qkv projection, q and k rotated, k and v written to the
-    paged cache [2, pages, page_size, Hkv, d] at slots[0] (an FP8LayerCache: quantized with its
-    per-head scales as they are written): one Triton kernel for one token."""
+    """rms_norm(x) through the fused qkv projection (a module), q and k rotated, k and v written
+    to the paged cache [2, pages, page_size, Hkv, d] at slots[0] (an FP8LayerCache: quantized
+    with its per-head scales as they are written): one Triton kernel for one token."""
     pages, scales = ((kv_cache.data, kv_cache.scales) if isinstance(kv_cache, FP8LayerCache)
                      else (kv_cache, None))
-    return _triton().row_gemv.norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads,
-                                                  num_kv_heads, cos, sin, slots, pages[0],
-                                                  pages[1], kv_scales=scales)
+    kernels, weight = _one_row(qkv)
+    return kernels.norm_qkv_rope_store(x, norm_weight, eps, weight, num_heads, num_kv_heads, cos,
+                                       sin, slots, pages[0], pages[1], kv_scales=scales)
 
 
 def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
@@ -124,7 +139,7 @@ def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
     matrices; anything else through the module."""
     if (ONE_ROW_GEMV and _one_half_precision_row(x) and type(proj) is torch.nn.Linear
             and proj.bias is None and proj.weight.is_contiguous()):
-        return gemv(x, proj.weight)
+        return gemv(x, proj)
     return proj(x)
 
 

@@ -49,15 +49,7 @@ def _row_gemv(
 
     Every value is rounded to the model dtype where the unfused kernels round it."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model's; y may be float32 (logits)
-    pid = tl.program_id(0)
-    if MODE == _QKV:
-        BLOCKS_PER_HEAD: tl.constexpr = HEAD_DIM // 2 // ROWS
-        head = pid // BLOCKS_PER_HEAD
-        j = (pid % BLOCKS_PER_HEAD) * ROWS + tl.arange(0, ROWS)
-        rows = head * HEAD_DIM + j
-    else:
-        rows = pid * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < N
+    rows, row_ok, j, head = _program_rows(N, MODE, ROWS, HEAD_DIM)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # 64-bit: an LM head can pass 2^31 elements
     # The first K tile of weights owes nothing to the kernel before: read it before waiting.
     first = tl.arange(0, BLOCK_K)
@@ -68,14 +60,7 @@ def _row_gemv(
         w_first_pair = tl.load(w_rows + PAIR * K + first[None, :], mask=first_ok, other=0.0)
     if PDL:
         gdc_wait()  # x, and the residual, come from the kernel before
-    rstd = 1.0
-    if NORM:
-        squares = tl.zeros([BLOCK_K], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            v = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-            squares += v * v
-        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    rstd = _rstd(x_ptr, eps, K, NORM, BLOCK_K)
     x_first = _x_tile(x_ptr, norm_ptr, first, K, rstd, NORM, DTYPE)[None, :]
     acc = w_first.to(tl.float32) * x_first
     acc_pair = w_first_pair.to(tl.float32) * x_first
@@ -89,7 +74,58 @@ def _row_gemv(
                                 other=0.0).to(tl.float32) * xf
     if PDL:
         gdc_launch_dependents()
-    y = tl.sum(acc, 1).to(DTYPE)
+    _row_epilogue(tl.sum(acc, 1), tl.sum(acc_pair, 1), rows, row_ok, j, head, y_ptr, res_ptr,
+                  cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
+                  stride_slot, stride_cache_head, MODE, RESIDUAL, PAIR, NUM_HEADS,
+                  NUM_KV_HEADS, FP8, DTYPE)
+
+
+# The prologue and epilogues below are shared with the packed-weight variant
+# (noesis.quant.packed_row): one implementation of each fused neighbour.
+
+
+@triton.jit
+def _program_rows(N, MODE: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(rows, row_ok, j, head) of this program: ROWS consecutive output rows, or in the QKV
+    mode ROWS rows j of the first half of one head (their pairs lie HEAD_DIM / 2 further)."""
+    pid = tl.program_id(0)
+    if MODE == _QKV:
+        BLOCKS_PER_HEAD: tl.constexpr = HEAD_DIM // 2 // ROWS
+        head = pid // BLOCKS_PER_HEAD
+        j = (pid % BLOCKS_PER_HEAD) * ROWS + tl.arange(0, ROWS)
+        rows = head * HEAD_DIM + j
+    else:
+        head = pid
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        j = rows
+    return rows, rows < N, j, head
+
+
+@triton.jit
+def _rstd(x_ptr, eps, K: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / rms(x) of the row x [K] (1 without NORM), recomputed by every program: x is a few
+    KB, read from L2."""
+    rstd = 1.0
+    if NORM:
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            squares += v * v
+        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    return rstd
+
+
+@triton.jit
+def _row_epilogue(y, pair, rows, row_ok, j, head, y_ptr, res_ptr, cos_ptr, sin_ptr, slot_ptr,
+                  k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_slot, stride_cache_head,
+                  MODE: tl.constexpr, RESIDUAL: tl.constexpr, PAIR: tl.constexpr,
+                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """Stores a program's outputs from its float32 row sums y (and pair: the rows PAIR further,
+    unused in the PLAIN mode), each rounded to the model dtype first, as the modes of
+    _row_gemv describe."""
+    y = y.to(DTYPE)
     if MODE == _PLAIN:
         if RESIDUAL:
             y = y + tl.load(res_ptr + rows, mask=row_ok, other=0.0)
@@ -97,9 +133,9 @@ def _row_gemv(
     elif MODE == _GLU:
         gate = y.to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE)
-        tl.store(y_ptr + rows, act * tl.sum(acc_pair, 1).to(DTYPE), mask=row_ok)
+        tl.store(y_ptr + rows, act * pair.to(DTYPE), mask=row_ok)
     else:
-        pair = tl.sum(acc_pair, 1).to(DTYPE)
+        pair = pair.to(DTYPE)
         first, second = y, pair
         if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: rotate, rounding as _rope_write does
             cos = tl.load(cos_ptr + j).to(DTYPE)

@@ -69,14 +69,17 @@ class DecoderLM(nn.Module):
             from noesis.ternary.linear import use_ternary_projections
 
             use_ternary_projections(self, config)
-        self.fuse_one_row = fusable_one_row(config, self)
+        # Whether one-row steps take DecoderLayer.forward_one_row: decided at the first one,
+        # once the weights are in (GGUF projections are packed after construction, a GPTQ
+        # table's act-order is read at load); False set here or by a wrapper keeps them off.
+        self.fuse_one_row: bool | None = None
 
     def forward(self, input_ids, cos, sin, kv_caches, meta, attention):
         """Returns (hidden, residual) [T, D]; their sum is the final residual stream (residual
         is None when hidden is that stream, as the fused one-row path returns it)."""
         hidden = self.model.embed_tokens(input_ids)  # [T, D]
         residual = None
-        if self.fuse_one_row and ops.one_row_fusion(hidden):  # batch-1 decode on CUDA
+        if self._one_row(hidden):  # batch-1 decode on CUDA
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 hidden = layer.forward_one_row(hidden, cos, sin, kv_cache, meta, attention)
             return hidden, residual
@@ -84,11 +87,19 @@ class DecoderLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, attention)
         return hidden, residual
 
+    def _one_row(self, hidden: torch.Tensor) -> bool:
+        """Whether this step runs the fused one-row blocks (see fuse_one_row)."""
+        if not ops.one_row_fusion(hidden):
+            return False
+        if self.fuse_one_row is None:
+            self.fuse_one_row = fusable_one_row(self.config, self)
+        return self.fuse_one_row
+
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the chosen rows only: [B, D] -> [B, V] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         norm = self.model.norm
-        if residual is None and self.fuse_one_row and ops.one_row_fusion(hidden):
+        if residual is None and self._one_row(hidden):
             return ops.norm_logits(hidden, norm.weight, norm.eps, weight)
         hidden, _ = norm.add_forward(hidden, residual)
         return torch.nn.functional.linear(hidden, weight).float()

@@ -7,7 +7,7 @@ from torch import nn
 
 from noesis.kernels import ops
 from noesis.models.config import ModelConfig
-from noesis.quant.linear import projection
+from noesis.quant.linear import PackedLinear, projection
 
 
 class RMSNorm(nn.Module):
@@ -63,12 +63,12 @@ class Attention(nn.Module):
         """stream + attention(norm(stream)) for one token: norm, qkv, RoPE and the cache write
         in one kernel, the output projection and the residual add in another."""
         qkv = ops.norm_qkv_rope_store(
-            stream, norm.weight, norm.eps, self.qkv_proj.weight, self.num_heads,
+            stream, norm.weight, norm.eps, self.qkv_proj, self.num_heads,
             self.num_kv_heads, cos, sin, meta.slot_mapping, kv_cache,
         )
         q, k, v = self._split_heads(qkv)
         out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return ops.gemv(out.reshape(1, self.q_size), self.o_proj.weight, residual=stream)
+        return ops.gemv(out.reshape(1, self.q_size), self.o_proj, residual=stream)
 
     def _extras(self) -> dict:
         """The backend's optional arguments, passed only when set."""
@@ -106,17 +106,25 @@ class GatedMLP(nn.Module):
     def forward_one_row(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """stream + mlp(norm(stream)) for one token: norm, gate/up and SiLU-multiply in one
         kernel, down and the residual add in another."""
-        act = ops.norm_glu(stream, norm.weight, norm.eps, self.gate_up_proj.weight)
-        return ops.gemv(act, self.down_proj.weight, residual=stream)
+        act = ops.norm_glu(stream, norm.weight, norm.eps, self.gate_up_proj)
+        return ops.gemv(act, self.down_proj, residual=stream)
 
 
 def fusable_one_row(config: ModelConfig, model: nn.Module) -> bool:
-    """Whether the decoder's blocks can take the fused one-row path: plain bias-free linear
-    projections, dense MLPs, plain attention, no q/k norm, rotary over the whole head."""
+    """Whether the decoder's blocks can take the fused one-row path: bias-free projections the
+    one-row kernels read (plain linear, or packed int4 / int8 in whole-tile groups), dense
+    MLPs, plain attention, no q/k norm, rotary over the whole head. Asked once the weights are
+    in (a GPTQ projection's act-order is read from its loaded table)."""
     if config.moe is not None or config.attention_sinks or config.attn_softcap is not None:
         return False
     linears = [m for name, m in model.named_modules()
                if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
     rotary = config.rope.rotary_dim or config.head_dim
-    return (all(type(m) is nn.Linear and m.bias is None for m in linears)
+    return (all(_one_row_projection(m) for m in linears)
             and not config.qk_norm and rotary == config.head_dim and config.head_dim % 2 == 0)
+
+
+def _one_row_projection(proj: nn.Module) -> bool:
+    if type(proj) is nn.Linear:
+        return proj.bias is None
+    return type(proj) is PackedLinear and proj.bias is None and proj.whole_tile_groups()

@@ -69,6 +69,14 @@ class PackedLinear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)  # [..., N]
         return y if self.bias is None else y + self.bias
 
+    def whole_tile_groups(self) -> bool:
+        """Whether every K tile of a power-of-two width holds whole groups or lies inside one,
+        as the one-row kernels (noesis.quant.packed_row) need: no act-order, one group per
+        row or groups of a power-of-two size. Known once the weights are loaded."""
+        one_group = self.group_size == self.in_features
+        power_of_two = self.group_size & (self.group_size - 1) == 0
+        return not self.act_order and (one_group or power_of_two)
+
     def dequantize(self) -> torch.Tensor:
         """The float weight [N, K] this layer multiplies by, in the scales' dtype."""
         groups = self.g_idx[0] if self.act_order else None
