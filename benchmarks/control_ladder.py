@@ -11,7 +11,10 @@ Rungs (a name in RUNGS): baseline (unconstrained), +phi (unconstrained, the defa
 grammar-bound), +constraints (grounded turn grammar),
 +control-none (the grammar, the null policy: metrics on, knobs unchanged; must equal
 +constraints), +phi+efe (the grammar and the default policy), +budgetB (the grammar, the first
-turn's analysis capped at B tokens: noesis.control.think), +phi+efe+budget8. Per run, pooled
+turn's analysis capped at B tokens: noesis.control.think), +phi+efe+budget8, +skip (the grammar,
+each first turn's analysis skipped when a probe of the turn without analysis is confident:
+noesis.control.skip, margin floor 0.8), +skip-all (floor 0: analysis always skipped, the
+lever's bound). Per run, pooled
 over examples x seeds, each share with its Wilson interval: end-to-end accuracy, first-try schema
 validity of the calls made, unnecessary calls (of the examples expecting none) and missed calls
 (of those expecting one); tokens to answer (mean, normal interval) and its change against the
@@ -34,19 +37,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from noesis import LLM, SamplingParams  # noqa: E402
+from noesis.control.skip import ProbedTurns, SkipConfig  # noqa: E402
 from noesis.control.think import BudgetedTurns  # noqa: E402
 from noesis.tiny import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNGS = {  # name: (constraint, control policy, think budget)
+RUNGS = {  # name: (constraint, control policy, turn generator over the LLM or None: the LLM)
     "baseline": (None, None, None),
     "+phi": (None, "default", None),
     "+constraints": ("grounded", None, None),
     "+control-none": ("grounded", "none", None),
     "+phi+efe": ("grounded", "default", None),
-    "+budget8": ("grounded", None, 8),
-    "+budget16": ("grounded", None, 16),
-    "+phi+efe+budget8": ("grounded", "default", 8),
+    "+budget8": ("grounded", None, lambda llm: BudgetedTurns(llm, 8)),
+    "+budget16": ("grounded", None, lambda llm: BudgetedTurns(llm, 16)),
+    "+phi+efe+budget8": ("grounded", "default", lambda llm: BudgetedTurns(llm, 8)),
+    "+skip": ("grounded", None, lambda llm: ProbedTurns(llm, SkipConfig(min_margin=0.8))),
+    "+skip-all": ("grounded", None, lambda llm: ProbedTurns(llm, SkipConfig(min_margin=0.0))),
 }
 
 
@@ -81,16 +87,18 @@ def paired_change(ours: list[float], base: list[float], draws: int = 2000) -> di
 
 def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, seeds) -> dict:
     """Every seed of one rung and decoding mode, pooled over examples x seeds."""
-    constraint, controller, budget = RUNGS[rung]
-    scores, summaries, began = [], [], time.perf_counter()
+    constraint, controller, wrap = RUNGS[rung]
+    scores, summaries, probes, began = [], [], [], time.perf_counter()
     for seed in seeds:
         config = harness.EvalConfig(split=args.split, n=args.n, corpus_seed=args.corpus_seed,
                                     max_tokens=args.max_tokens, seed=seed, constraint=constraint,
                                     controller=controller)  # fmt: skip
-        generator = BudgetedTurns(llm, budget) if budget else llm
+        generator = wrap(llm) if wrap else llm
         result = harness.run(generator, examples, config, sampled)
         scores += result.scores
         summaries.append(result.summary)
+        if isinstance(generator, ProbedTurns):
+            probes.append(generator.stats)
     tokens = [float(s.tokens_to_answer) for s in scores if s.tokens_to_answer is not None]
     mean, t_low, t_high = mean_interval(tokens)
     e2e = rate("end_to_end_accuracy", [s.end_to_end for s in scores])
@@ -107,7 +115,18 @@ def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, see
         "tool_header_forbidden": _mean([s.get("tool_header_forbidden") for s in summaries]),
         "tool_header_forced": _mean([s.get("tool_header_forced") for s in summaries]),
         "per_example_tokens": tokens, "seconds": round(time.perf_counter() - began, 1),
+        **_probe_summary(probes),
     }  # fmt: skip
+
+
+def _probe_summary(stats: list) -> dict:
+    """Probe-then-skip rungs: the share of probed turns run without analysis, and the decode
+    steps the probes spent per example (not in tokens to answer)."""
+    if not stats:
+        return {}
+    turns = sum(s.turns for s in stats)
+    return {"analysis_skipped": sum(s.skipped for s in stats) / max(1, turns),
+            "probe_steps_per_turn": sum(s.probe_steps for s in stats) / max(1, turns)}  # fmt: skip
 
 
 def rate(name: str, flags: list) -> dict:
@@ -180,7 +199,14 @@ def _line(r: dict) -> str:
             f"valid {_share(r, 'call_validity')}  tokens {r['mean_tokens_to_answer']:.1f} "
             f"[{tci[0]:.1f}, {tci[1]:.1f}]{change}  unnecessary "
             f"{_share(r, 'unnecessary_tool_calls')}  missed {_share(r, 'missed_tool_calls')}  "
-            f"forbidden {r['tool_header_forbidden']}  ({r['seconds']} s)")  # fmt: skip
+            f"forbidden {r['tool_header_forbidden']}{_skips(r)}  ({r['seconds']} s)")  # fmt: skip
+
+
+def _skips(r: dict) -> str:
+    if "analysis_skipped" not in r:
+        return ""
+    return (f"  analysis skipped {100 * r['analysis_skipped']:.0f}%, probe steps/turn "
+            f"{r['probe_steps_per_turn']:.1f}")  # fmt: skip
 
 
 def _share(r: dict, name: str) -> str:

@@ -3,7 +3,7 @@
 rung, a filled square for sampled runs and a hollow one for greedy. Written as a PNG with zlib
 alone (the lent GPU machines have no plotting package); tick labels in a 3x5 pixel font, the
 legend's boxes numbered in RUNGS order (1 baseline, 2 +phi, 3 +constraints, 4 +control-none,
-5 +phi+efe, 6 +budget8, 7 +budget16, 8 +phi+efe+budget8).
+5 +phi+efe, 6 +budget8, 7 +budget16, 8 +phi+efe+budget8, 9 +skip, 10 +skip-all).
 
     python benchmarks/quality_at_tokens.py ladder_heldout.json ladder_natural.json --png qat.png
 """
@@ -25,6 +25,8 @@ RUNGS = [
     "+budget8",
     "+budget16",
     "+phi+efe+budget8",
+    "+skip",
+    "+skip-all",
 ]
 COLOURS = [
     (90, 90, 90),
@@ -35,6 +37,8 @@ COLOURS = [
     (40, 160, 70),
     (150, 210, 120),
     (140, 60, 170),
+    (220, 190, 20),
+    (110, 70, 30),
 ]
 FONT = {  # 3x5 glyphs, rows top to bottom, 3 bits each
     "0": [7, 5, 5, 5, 7], "1": [2, 6, 2, 2, 7], "2": [7, 1, 7, 4, 7], "3": [7, 1, 7, 1, 7],

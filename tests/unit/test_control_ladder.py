@@ -50,3 +50,12 @@ def test_the_line_and_the_png(ladder, tmp_path):
     png = tmp_path / "qat.png"
     ladder.write_png(runs, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_rung_of_the_ladder_has_a_colour_in_the_plot(ladder):
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from quality_at_tokens import COLOURS, RUNGS
+
+    assert list(ladder.RUNGS) == RUNGS and len(COLOURS) == len(RUNGS)

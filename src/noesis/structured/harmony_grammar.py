@@ -40,8 +40,11 @@ def harmony_turn_spec(
     tool_choice: str | dict[str, Any] = "auto",
     response_format: dict[str, Any] | None = None,
     messages: list[dict[str, Any]] | None = None,
+    analysis: bool = True,
 ) -> GrammarSpec:
-    return GrammarSpec.lark(harmony_turn_grammar(tools, tool_choice, response_format, messages))
+    return GrammarSpec.lark(
+        harmony_turn_grammar(tools, tool_choice, response_format, messages, analysis)
+    )
 
 
 def harmony_turn_grammar(
@@ -49,10 +52,12 @@ def harmony_turn_grammar(
     tool_choice: str | dict[str, Any] = "auto",
     response_format: dict[str, Any] | None = None,
     messages: list[dict[str, Any]] | None = None,
+    analysis: bool = True,
 ) -> str:
     """Lark text (llguidance dialect) of one assistant turn; GrammarError on a bad option.
     `messages` (the conversation so far) supplies the user's words that grounded arguments copy;
-    without it they decode as their plain schema."""
+    without it they decode as their plain schema. `analysis=False` forbids analysis messages:
+    the turn opens with its call or its final (noesis.control.skip)."""
     functions = _functions(tools or [])
     texts = user_texts(messages)
     functions = {name: ground(schema, texts) for name, schema in functions.items()}
@@ -61,7 +66,8 @@ def harmony_turn_grammar(
     may_answer = tool_choice in ("auto", "none")  # "required" and a named tool force a call
     endings = (["call"] if callable_names else []) + (["final"] if may_answer else [])
     lines = [
-        'start: (analysis <|end|> <|start|> "assistant")* ' + _alternatives(endings),
+        "start: " + ('(analysis <|end|> <|start|> "assistant")* ' if analysis else "")
+        + _alternatives(endings),
         'analysis: <|channel|> "analysis" <|message|> TEXT',
         f'final: <|channel|> "final" <|message|> {final} <|return|>',
     ]
