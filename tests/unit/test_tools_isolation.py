@@ -515,3 +515,17 @@ def test_chat_refuses_a_bad_tool_timeout_before_loading_a_model(value, capsys):
 
     assert main(["chat", "--tool-timeout", value, "hi"]) == 1
     assert "--tool-timeout must be in (0, 1e9] seconds" in capsys.readouterr().err
+
+
+def test_a_warmed_pool_serves_the_first_call_from_the_worker_it_started():
+    pool = WorkerPool(max_workers=1)
+    try:
+        calculator = {t.name: t for t in builtin_tools(("calculator",))}["calculator"]
+        pool.warm([calculator.function])
+        started = pool.pids
+        assert len(started) == 1  # one worker, idle, its imports done
+        outcome = pool.job(calculator.function, {"expression": "12*7"}).run()
+        assert outcome.exc is None and outcome.content == "84"
+        assert pool.pids == started  # no second process for the first real call
+    finally:
+        pool.close()

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from noesis.errors import InvalidRequest, NoesisError
+from noesis.tools.builtin import builtin_tools
+from noesis.tools.isolation import shared_pool
 from noesis.voice.config import VoiceConfig, load_config
 from noesis.voice.experts import (
     AnswerSettings,
@@ -201,13 +203,17 @@ class VoiceSession:
     def warm_up(self) -> None:
         """Load every routed expert and run a one-token turn with each route's tools, so the first
         turn does not pay for loading, first-call allocations or reading its route's system and
-        tool declarations (they stay in the expert's prefix cache). Loads count as pool misses."""
+        tool declarations (they stay in the expert's prefix cache); start the tool worker process
+        with the isolated tools' modules imported. Loads count as pool misses."""
         routes = {self.config.route(label) for label in self.router.config.labels}
         settings = self.answer_settings()
         for route in sorted(routes, key=lambda r: (r.expert, r.device, r.tools)):
             warm_prefix(self.pool.acquire(route.expert, route.device), route.tools, settings)
         self.recognizer.transcribe(np.zeros(VAD_RATE // 2, dtype=np.float32), VAD_RATE)
         self.synthesizer.synthesize("Hello.")
+        isolated = [t.function for r in routes for t in builtin_tools(r.tools) if t.isolated]
+        if isolated:  # the first calculator call started its worker process: +0.37 s cold
+            shared_pool().warm(isolated)
 
     def build_pipeline(self, source: AudioSource, sink) -> Pipeline:
         threads = self.config.threads
