@@ -101,6 +101,16 @@ class TurnGenerator(Protocol):
     ) -> AssistantTurn: ...
 
 
+class BatchedTurnGenerator:
+    """A TurnGenerator written as `generate_turns` alone: its one-turn form is a batch of one
+    (the control plane's turn wrappers: control.think, control.skip)."""
+
+    def generate_turn(self, messages, tools=None, *, tool_choice="auto", deterministic=False,
+                      cancel=None, **options) -> AssistantTurn:  # fmt: skip
+        request = TurnRequest(messages, tools, tool_choice, deterministic, options)
+        return self.generate_turns([request], cancel)[0]  # the subclass's
+
+
 @dataclass
 class ExecutedToolCall:
     """A tool call the model made, with the executor's result."""

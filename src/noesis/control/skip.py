@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from noesis.harmony.parser import parse_completion
 from noesis.sampling.metrics import TokenMetrics
-from noesis.session import AssistantTurn, ToolCall, TurnRequest
+from noesis.session import AssistantTurn, BatchedTurnGenerator, ToolCall, TurnRequest
 from noesis.structured.harmony_grammar import harmony_turn_spec
 from noesis.turns import new_call_id
 
@@ -60,7 +60,7 @@ class SkipStats:
     weakest: list[float] = field(default_factory=list)  # each probe's lowest margin (NaN: none)
 
 
-class ProbedTurns:
+class ProbedTurns(BatchedTurnGenerator):
     """TurnGenerator: `LLM.generate_turns`, with each probed turn's analysis skipped when its
     probe is confident."""
 
@@ -69,11 +69,6 @@ class ProbedTurns:
             raise ValueError("skipping analysis needs a Harmony model")
         self.llm, self.config = llm, config or SkipConfig()
         self.stats = SkipStats()
-
-    def generate_turn(self, messages, tools=None, *, tool_choice="auto", deterministic=False,
-                      cancel=None, **options) -> AssistantTurn:  # fmt: skip
-        request = TurnRequest(messages, tools, tool_choice, deterministic, options)
-        return self.generate_turns([request], cancel)[0]
 
     def generate_turns(
         self, requests: Sequence[TurnRequest], cancel: threading.Event | None = None

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from noesis.harmony.parser import parse_completion
-from noesis.session import AssistantTurn, ToolCall, TurnRequest
+from noesis.session import AssistantTurn, BatchedTurnGenerator, ToolCall, TurnRequest
 from noesis.turns import new_call_id
 
 
@@ -29,7 +29,7 @@ class _Budgeted:
     analysis_metrics: list
 
 
-class BudgetedTurns:
+class BudgetedTurns(BatchedTurnGenerator):
     """TurnGenerator: `LLM.generate_turns` with each user-answering turn's analysis capped.
     Measured harmful on the bundled model at 8 tokens and neutral at 16 (benchmarks/RESULTS.md);
     the budgeted generations do not watch `cancel`."""
@@ -43,11 +43,6 @@ class BudgetedTurns:
                        h.token_id("<|message|>")]  # fmt: skip
         self.close = [h.token_id("<|end|>"), h.token_id("<|start|>"), *h.encode_text("assistant")]
         self.stops = (h.token_id("<|end|>"), *h.stop_tokens_for_assistant_actions())
-
-    def generate_turn(self, messages, tools=None, *, tool_choice="auto", deterministic=False,
-                      cancel=None, **options) -> AssistantTurn:  # fmt: skip
-        request = TurnRequest(messages, tools, tool_choice, deterministic, options)
-        return self.generate_turns([request], cancel)[0]
 
     def generate_turns(
         self, requests: Sequence[TurnRequest], cancel: threading.Event | None = None
