@@ -1,7 +1,10 @@
 """Where a decode step's GPU time goes: per-kernel totals from the PyTorch profiler (eager path,
 same kernels as the captured graph), batch 1 and batch 64.
 
-    python benchmarks/profile_decode.py --shape llama-8b
+    python benchmarks/profile_decode.py --shape llama-8b [--batch-invariant]
+
+--batch-invariant profiles the same steps in the batch-invariant mode as well (issue 16: where
+its cost goes, kernel by kernel).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-8b")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench"))
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also profile the batch-invariant mode")
     args = parser.parse_args()
     from noesis import LLM
 
@@ -57,10 +62,14 @@ def main() -> None:
     path = args.workdir / args.shape
     if not (path / "config.json").exists():
         make_checkpoint(path, args.shape, "bfloat16", 8192, 0, tie, "cuda")
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=4096, cuda_graphs=False,
-              progress=False)
-    for batch in (1, 64):
-        profile(llm, batch, 32)
+    for invariant in (False, True) if args.batch_invariant else (False,):
+        print(f"\n=== {'batch-invariant' if invariant else 'default'} mode")
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=4096,
+                  cuda_graphs=False, progress=False, batch_invariant=invariant)
+        for batch in (1, 64):
+            profile(llm, batch, 32)
+        del llm
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
