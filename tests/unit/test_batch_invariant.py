@@ -188,36 +188,39 @@ def test_matmul_row_does_not_depend_on_m(kernels, dtype):  # is broken: float16 
     assert (full.float() - reference).abs().max() <= (1e-4 if dtype == torch.float32 else 0.05)
 
 
-def test_split_k_matmul_sums_fixed_ranges_in_order_whatever_m(kernels, monkeypatch):
-    """A weight whose K splits in 2 (one BLOCK_K step each here, the second short): a row's
-    output is the same alone and in batches of 6 and 70, and it is exactly
+def test_split_k_matmul_sums_fixed_ranges_in_order_whatever_m(kernels):
+    """A weight whose K splits in 2 (one 64-wide BLOCK_K step each here, the second short): a
+    row's output is the same alone and in batches of 6 and 70, and it is exactly
     (range 0 + range 1) + bias, each range reduced on its own as an unsplit call does."""
-    monkeypatch.setattr(kernels, "MIN_SPLIT_CHUNKS", 1)  # a small K splits: a quick test
+    split, whole = kernels.MatmulConfig(64, 2, 4, 4, 64), kernels.MatmulConfig(64, 1, 4, 4, 64)
     gen = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(96, 100, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(70, 100, generator=gen)
-    assert kernels.matmul_config(96, 100, x.device).splits == 2
-    full = kernels.linear(x, weight, bias)
+    full = kernels.linear(x, weight, bias, config=split)
     for rows in (slice(0, 1), slice(64, 70)):  # alone, 6 rows: places in their tiles kept
-        assert torch.equal(kernels.linear(x[rows], weight, bias), full[rows]), rows
-    cut = kernels.MATMUL_BLOCK_K
-    ranges = [kernels.linear(x[:, :cut], weight[:, :cut]),
-              kernels.linear(x[:, cut:], weight[:, cut:])]
+        assert torch.equal(kernels.linear(x[rows], weight, bias, config=split), full[rows]), rows
+    ranges = [kernels.linear(x[:, :64], weight[:, :64], config=whole),
+              kernels.linear(x[:, 64:], weight[:, 64:], config=whole)]
     assert torch.equal(full, (ranges[0] + ranges[1]) + bias)
     reference = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     assert (full - reference).abs().max() <= 1e-4
 
 
 def test_matmul_config_depends_on_the_weight_and_fills_the_sms(kernels, monkeypatch):
-    """On a 132-SM device: the 8B shape's narrow projections split K until their column tiles
-    fill the SMs, the wide ones do not split, and a short K never splits below 4 steps."""
+    """On a 132-SM device with no measured tiling: the widest column tile that gives most SMs
+    a program (the 8B shape's projections then never split K, as measured best on an H100),
+    K split only where 32-column tiles leave SMs idle, and never below 4 BLOCK_K steps; a
+    measured tiling for the device wins."""
     monkeypatch.setattr(kernels, "_num_programs", lambda device: 132)
+    monkeypatch.setattr(kernels, "_tuned_configs", lambda gpu: {"4096,4096": [64, 2, 4, 4, 64]})
     cpu = torch.device("cpu")
-    splits = {(n, k): kernels.matmul_config(n, k, cpu).splits
-              for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
-                           (128256, 4096), (4096, 256)]}
-    assert splits == {(6144, 4096): 4, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 4,
-                      (128256, 4096): 1, (4096, 256): 1}
+    tilings = {(n, k): (kernels.matmul_config(n, k, cpu).block_n,
+                        kernels.matmul_config(n, k, cpu).splits)
+               for n, k in [(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                            (2048, 8192), (1024, 4096), (1024, 1024), (4096, 4096)]}
+    assert tilings == {(6144, 4096): (64, 1), (28672, 4096): (128, 1), (4096, 14336): (32, 1),
+                       (128256, 4096): (128, 1), (2048, 8192): (32, 2), (1024, 4096): (32, 4),
+                       (1024, 1024): (32, 2), (4096, 4096): (64, 2)}
 
 
 def test_attention_row_is_the_same_in_a_chunk_a_prefill_and_a_decode(kernels, monkeypatch):

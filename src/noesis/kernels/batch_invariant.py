@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -28,11 +30,14 @@ import triton.language as tl
 # they are the same in every step that computes it.
 KV_BLOCK = 64
 MATMUL_BLOCK_M = 64
-MATMUL_BLOCK_K = 64
+MATMUL_BLOCK_K = 128
 MIN_SPLIT_CHUNKS = 4  # BLOCK_K steps per split at least: shorter splits cost more than they fill
-SPLIT_FILL = 0.9  # split K until tiles x splits reach this share of the SMs
+MIN_FILL = 0.7  # column tiles x K splits reach this share of the SMs, if K allows
 REDUCE_BLOCK = 1024  # columns per program of the fixed-order sum of the splits
 INTERPRETER_PROGRAMS = 4  # SMs to size splits by when there is no GPU to count them on
+# Tiles measured best per GPU and weight shape (benchmarks/batch_invariant_sweep.py):
+# {gpu name: {"N,K": [block_n, splits, warps, stages, block_k]}}
+CONFIG_FILE = Path(__file__).with_name("batch_invariant_configs.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,33 +48,39 @@ class MatmulConfig:
     splits: int  # K ranges of equal length, summed in order s = 0..splits-1
     warps: int
     stages: int
+    block_k: int = MATMUL_BLOCK_K
+
+    def as_list(self) -> list[int]:
+        return [self.block_n, self.splits, self.warps, self.stages, self.block_k]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: MatmulConfig | None = None):
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, float32 accumulation.
 
     Each output sums K in BLOCK_K steps, in order, within each of `splits` equal K ranges, and
-    then the ranges' float32 partials in order: the same operations whatever M is."""
+    then the ranges' float32 partials in order: the same operations whatever M is. config:
+    the weight's tiling (default: matmul_config's; a sweep passes its candidates)."""
     rows, depth = x.shape
     cols = weight.shape[0]
     out = torch.empty(rows, cols, device=x.device, dtype=x.dtype)
     if rows == 0:
         return out
-    config = matmul_config(cols, depth, x.device)
+    config = config or matmul_config(cols, depth, x.device)
     split = config.splits > 1
     partials = (torch.empty(config.splits, rows, cols, device=x.device, dtype=torch.float32)
                 if split else out)  # [S, M, N]
     tiles_m = triton.cdiv(rows, MATMUL_BLOCK_M)
     tiles_n = triton.cdiv(cols, config.block_n)
-    chunks = triton.cdiv(depth, MATMUL_BLOCK_K)
+    chunks = triton.cdiv(depth, config.block_k)
     _matmul[(tiles_m * config.splits * tiles_n,)](
         x, weight, bias if bias is not None else weight, partials, rows, cols, depth, tiles_m,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         partials.stride(-2), partials.stride(-1), rows * cols,
         HAS_BIAS=bias is not None and not split, IEEE=x.dtype == torch.float32,
         SPLITS=config.splits, CHUNKS=chunks // config.splits,
-        EVEN_K=depth % MATMUL_BLOCK_K == 0, BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=config.block_n,
-        BLOCK_K=MATMUL_BLOCK_K, num_warps=config.warps, num_stages=config.stages,
+        EVEN_K=depth % config.block_k == 0, BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages,
     )
     if split:
         _sum_splits[(rows, triton.cdiv(cols, REDUCE_BLOCK))](
@@ -83,17 +94,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def matmul_config(cols: int, depth: int, device: torch.device) -> MatmulConfig:
     """The tiling of an [N, K] weight on `device`; a config that followed M would change a
     row's reduction with its batch. At decode a step is bound by streaming the weights, which
-    needs every SM: where N / BLOCK_N column tiles leave SMs idle, K splits into 2, 4, 8, ...
-    equal ranges (each a whole number of BLOCK_K steps) until tiles x splits fill them."""
-    block_n = 128 if cols > 64 else 64
+    needs every SM busy: the tuned table's tiling for this GPU and shape where there is one,
+    else heuristic_config's."""
+    tuned = _tuned_configs(_device_name(device)).get(f"{cols},{depth}")
+    return MatmulConfig(*tuned) if tuned is not None else heuristic_config(cols, depth, device)
+
+
+def heuristic_config(cols: int, depth: int, device: torch.device) -> MatmulConfig:
+    """matmul_config where no tiling was measured for the GPU and shape: the widest column
+    tile (128, 64, 32) that still gives most SMs a program, and only where even 32 columns
+    do not, K split in two, four, ... (On an H100 the measured best tilings of the 8B shapes
+    are of this kind: splits beyond that only added partial sums.)"""
+    programs = _num_programs(device)
+    block_n = next((n for n in (128, 64) if triton.cdiv(cols, n) >= MIN_FILL * programs), 32)
     tiles = triton.cdiv(cols, block_n)
     chunks = triton.cdiv(depth, MATMUL_BLOCK_K)
-    fill = SPLIT_FILL * _num_programs(device)
     splits = 1
-    while (tiles * splits < fill and chunks % (2 * splits) == 0
+    while (tiles * splits < MIN_FILL * programs and chunks % (2 * splits) == 0
            and chunks // (2 * splits) >= MIN_SPLIT_CHUNKS):
         splits *= 2
-    return MatmulConfig(block_n, splits, warps=4, stages=4)
+    return MatmulConfig(block_n, splits, warps=4, stages=3 if block_n == 128 else 4)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+@functools.cache
+def _tuned_configs(gpu: str) -> dict[str, list[int]]:
+    if not CONFIG_FILE.exists():
+        return {}
+    return json.loads(CONFIG_FILE.read_text()).get(gpu, {})
 
 
 @functools.cache
@@ -167,20 +199,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q [R, H, d]; caches [num_pages, page_size, Hkv, d]; row_seq [R] picks each row's page
     table in tables [S, P]; row_ctx [R] is how many keys the row sees (its position + 1).
-    A row with row_ctx 0 (a graph's padding) gets zeros. Returns [R, H, d] in q's dtype."""
+    A row with row_ctx 0 (a graph's padding) gets zeros. Returns [R, H, d] in q's dtype.
+    One program per (row, KV head) serves the KV head's query heads together, so each key
+    block is read once for all of them."""
     rows, heads, dim = q.shape
     out = torch.empty(rows, heads, dim, device=q.device, dtype=q.dtype)
     if rows == 0:
         return out
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    _paged_attention[(rows, heads)](
+    group = heads // kv_heads
+    _paged_attention[(rows, kv_heads)](
         q, k_cache, v_cache, out, row_seq, tables, row_ctx,
         sinks if sinks is not None else q, scale, softcap or 0.0, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), tables.stride(0),
-        GROUP=heads // kv_heads, PAGE_SIZE=page_size, HEAD_DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=KV_BLOCK, HAS_SINKS=sinks is not None,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, num_warps=4,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
+        HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=KV_BLOCK,
+        HAS_SINKS=sinks is not None, SOFTCAP=softcap is not None, WINDOW=window is not None,
+        IEEE=q.dtype == torch.float32, num_warps=4,
     )
     return out
 
@@ -189,24 +225,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, row_seq_ptr, tables_ptr, row_ctx_ptr,
                      sinks_ptr, scale, softcap, window, stride_qt, stride_qh, stride_kp,
                      stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
-                     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr,
-                     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
+                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+                     IEEE: tl.constexpr):
     row = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1)
     seq = tl.load(row_seq_ptr + row)
     ctx = tl.load(row_ctx_ptr + row)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + row * stride_qt + head * stride_qh + dims, mask=dim_ok,
-                other=0.0).to(tl.float32)
+    members = tl.arange(0, BLOCK_G)  # the query heads of this KV head, padded to an MMA's rows
+    heads = kv_head * GROUP + members
+    head_ok = members < GROUP
+    q_where = q_ptr + row * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_where, mask=head_ok[:, None] & dim_ok[None, :], other=0.0)  # [G, D]
     first = 0
     if WINDOW:
         first = tl.maximum(ctx - window, 0)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.zeros((), tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     # Blocks at multiples of BLOCK_N from position 0, in order, from the first holding a
     # visible key: the same blocks for a token in whatever step computes it.
     start = (first // BLOCK_N) * BLOCK_N
@@ -214,38 +253,46 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, out_ptr, row_seq_ptr, tables_ptr, row_
         m, total, acc = _attend_block(
             q, k_ptr, v_ptr, tables_ptr + seq * stride_table, start, ctx, first, m, total, acc,
             scale, softcap, kv_head * stride_kh, stride_kp, stride_ks, dims, dim_ok, PAGE_SIZE,
-            BLOCK_N, SOFTCAP)
+            BLOCK_N, SOFTCAP, IEEE)
         start += BLOCK_N
     if HAS_SINKS:  # the sink joins the softmax and adds no value
-        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
         m_new = tl.maximum(m, sink)
-        acc = acc * tl.exp(m - m_new)
+        acc = acc * tl.exp(m - m_new)[:, None]
         total = total * tl.exp(m - m_new) + tl.exp(sink - m_new)
-    out = tl.where(total > 0, acc / tl.maximum(total, 1e-30), 0.0)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    out = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
+    out_where = out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_where, out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
 def _attend_block(q, k_ptr, v_ptr, table_ptr, start, ctx, first, m, total, acc, scale, softcap,
                   head_offset, stride_kp, stride_ks, dims, dim_ok, PAGE_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One block of keys folded into the running (max, sum, weighted values), online softmax."""
+                  BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """One block of keys folded into the running (max, sum, weighted values) of every query
+    head of the program, online softmax; q [G, D], m and total [G], acc [G, D]."""
     pos = start + tl.arange(0, BLOCK_N)
     visible = (pos < ctx) & (pos >= first)
     page = tl.load(table_ptr + pos // PAGE_SIZE, mask=visible, other=0)
     slot = page * stride_kp + (pos % PAGE_SIZE) * stride_ks + head_offset
     where = slot[:, None] + dims[None, :]
     ok = visible[:, None] & dim_ok[None, :]
-    k = tl.load(k_ptr + where, mask=ok, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + where, mask=ok, other=0.0).to(tl.float32)
-    scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_N]
+    k = tl.load(k_ptr + where, mask=ok, other=0.0)  # [N, D]
+    v = tl.load(v_ptr + where, mask=ok, other=0.0)
+    if IEEE:  # float32 models: no TF32 rounding
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
+    else:
+        scores = tl.dot(q, tl.trans(k)) * scale
     if SOFTCAP:
         scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0)  # tanh
-    scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp(m - m_new)
-    p = tl.exp(scores - m_new)
-    total = total * alpha + tl.sum(p, axis=0)
-    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    p = tl.exp(scores - m_new[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, total, acc
