@@ -237,3 +237,54 @@ def test_request_metrics_signals_and_histograms(model, checkpoints):
     buckets = engine.timing_buckets()
     steps = engine.observer.telemetry.totals["steps"]
     assert buckets["decode_s"] > 0 and buckets["steps"] == steps and "read_s" in buckets
+
+
+def test_a_gguf_trace_replays(tmp_path):
+    """A GGUF checkpoint is one file, not a directory: the replay resolves it as the loader does."""
+    from test_gguf import bpe_vocab, hf_model, write_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_gguf(model, hf_model("llama"), "llama", "Q8_0", bpe_vocab())
+    trace = tmp_path / "gguf.trace"
+    record(model, trace)
+    assert load_trace(trace).header["model"] == str(model)
+    report = replay(trace)
+    assert report.ok and report.tokens == sum(p.max_tokens for p in mixed_params())
+
+
+
+def test_the_control_planes_phi_and_entropy_reach_the_metrics(checkpoints, tmp_path):
+    """A controlled row's per-token entropy and Φ ([temperature, top_p, verify_width,
+    think_budget] after each token) in RequestOutput.metrics and the telemetry file, Φ's move
+    included; a greedy row beside it (no control) has none."""
+    from test_control_knobs import SWITCH_AT, Switch
+
+    path = tmp_path / "control.jsonl"
+    llm = checkpoints.new_llm("llama", telemetry=str(path), control=Switch(SWITCH_AT))
+    steered, greedy = llm.generate(PROMPTS[:2], [mixed_params()[1], mixed_params()[0]])
+    llm.engine.close()
+    phis = steered.metrics.signals["phi"]
+    assert len(phis) == len(steered.metrics.signals["entropy"]) == 10
+    assert phis[SWITCH_AT - 2] == [0.9, 0.9, 4, 128]  # the request's own knobs...
+    assert phis[SWITCH_AT - 1][1] == pytest.approx(0.9e-6)  # ...until the policy switched
+    assert set(greedy.metrics.signals.get("phi", [None])) == {None}
+    steps = [r for r in read_records(path) if r["kind"] == "step"]
+    assert sum(phi is not None for s in steps for phi in s.get("signals", {}).get("phi", [])) == 10
+
+
+def test_controlled_rows_replay(checkpoints, tmp_path):
+    """Rows the engine's control policy steers token by token replay token-exact."""
+    trace = tmp_path / "control.trace"
+    llm = checkpoints.new_llm("llama", control="default", deterministic=True, trace=str(trace))
+    llm.generate(PROMPTS, mixed_params())
+    llm.engine.close()
+    assert load_trace(trace).header["engine"]["control"] == "default"
+    assert replay(trace).ok
+    # A custom policy is recorded by name, which a replay cannot rebuild: a clear refusal.
+    from test_control_knobs import Switch
+
+    llm = checkpoints.new_llm("llama", control=Switch(4), deterministic=True, trace=str(trace))
+    llm.generate(PROMPTS[:1], mixed_params()[1:2])
+    llm.engine.close()
+    with pytest.raises(TraceError, match="control must be"):
+        replay(trace)

@@ -12,7 +12,13 @@ import torch
 
 from noesis.kv.cache import page_bytes
 from noesis.telemetry.recorder import StepShape, Telemetry
-from noesis.telemetry.trace import IGNORED_OPTIONS, TraceWriter, model_hashes, params_to_dict
+from noesis.telemetry.trace import (
+    IGNORED_OPTIONS,
+    TraceWriter,
+    checkpoint_path,
+    model_hashes,
+    params_to_dict,
+)
 
 if TYPE_CHECKING:
     from noesis.engine.engine import Engine
@@ -134,8 +140,9 @@ class EngineObserver:
 
     def completed(self, launched: LaunchedStep, lengths: dict[int, int], sampled: dict) -> None:
         """After read-back; lengths: each sampling sequence's token count before it. Signals:
-        the runner's signal hooks' and, for rows that asked (SamplingParams.metrics), the
-        sampler's per-token metrics (entropy, varentropy, top-k mass, margin)."""
+        the runner's signal hooks', the sampler's per-token metrics (entropy, varentropy,
+        top-k mass, margin) for rows that asked (SamplingParams.metrics) or are controlled, and
+        the control plane's Φ for controlled rows."""
         self.blocked_ms += launched.wait_ms
         rows, token_metrics = [], []
         for seq in launched.seqs:
@@ -147,6 +154,9 @@ class EngineObserver:
         signals = launched.signals
         if any(m is not None for m in token_metrics):
             signals = {**(signals or {}), **_metric_columns(token_metrics)}
+        phis = [_phi(seq) for seq in launched.seqs]
+        if any(phi is not None for phi in phis):
+            signals = {**(signals or {}), "phi": phis}
         if self.trace is not None:
             out = [[request_id, new_ids] for request_id, new_ids, _, _ in rows]
             record = {"kind": "tokens", "step": launched.step_index, "out": out}
@@ -176,6 +186,17 @@ def _metric_columns(rows: list) -> dict[str, list]:
     return {name: [None if m is None else getattr(m, name) for m in rows] for name in names}
 
 
+def _phi(seq) -> list | None:
+    """A controlled row's Φ once this step's token was folded in: [temperature, top_p,
+    verify_width, think_budget], the first two as its next token is sampled with (the
+    request's own, scaled by Φ); None for a row without control."""
+    knobs = seq.knobs
+    if knobs is None:
+        return None
+    phi = knobs.state.phi.phi
+    return [knobs.temperature, knobs.top_p, phi.verify_width, phi.think_budget]
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a decode step reads (all of them: MoE experts are over-counted)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -189,14 +210,19 @@ def trace_header(engine: Engine) -> dict[str, Any]:
         for field in dataclasses.fields(engine.config)
         if field.name not in IGNORED_OPTIONS
     }
+    hashes = {}
     if options.get("speculative") is not None:
-        options["speculative"] = dataclasses.asdict(options["speculative"])
+        speculative = options["speculative"]
+        options["speculative"] = dataclasses.asdict(speculative)
+        if speculative.method == "draft":  # sampled rows' tokens depend on its proposals
+            hashes["draft_hash"] = model_hashes(checkpoint_path(speculative.draft))[0]
     if not isinstance(options.get("control"), (str, type(None))):  # a ControlPolicy object
         options["control"] = options["control"].name
     return {
         "model": str(loaded.model_dir),
         "model_hash": model_hash,
         "tokenizer_hash": tokenizer_hash,
+        **hashes,
         "engine": options,
         "device": str(engine.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from noesis.telemetry.trace import Trace, TraceError, TraceWriter, load_trace, model_hashes
+from noesis.telemetry.trace import Trace, TraceError, TraceWriter, check_hashes, load_trace
 
 BLOCKED = "content_filter"  # the finish reason of a request a sidecar blocked
 REPLAYED_BLOCK = "blocked by a sidecar in the recording"
@@ -152,19 +152,12 @@ def _compare_alone(trace: Trace, request_id: str, replayed: list[dict[str, Any]]
 
 def _engine_for(trace: Trace, model: str | None, device: str | None):
     from noesis.engine.engine import Engine, EngineConfig
+    from noesis.errors import ConfigError
     from noesis.speculative.config import SpeculativeConfig
     from noesis.telemetry.observer import EngineObserver
-    from noesis.weights.hub import resolve_model_dir
 
     header = trace.header
-    model_dir = resolve_model_dir(model or header["model"])
-    model_hash, tokenizer_hash = model_hashes(Path(model_dir))
-    for name, value in (("model", model_hash), ("tokenizer", tokenizer_hash)):
-        if header[f"{name}_hash"] != value:
-            raise TraceError(
-                f"the trace was recorded with {name} hash {header[f'{name}_hash'][:16]}..., "
-                f"{model_dir} has {value[:16]}...: a replay needs the same {name} files"
-            )
+    model_dir = check_hashes(header, model)
     options = dict(header["engine"])
     if options.get("speculative") is not None:
         options["speculative"] = SpeculativeConfig(**options["speculative"])
@@ -176,7 +169,7 @@ def _engine_for(trace: Trace, model: str | None, device: str | None):
     )
     try:
         config = EngineConfig(**options)
-    except TypeError as exc:
+    except (TypeError, ConfigError) as exc:  # ConfigError: e.g. a custom control policy's name
         raise TraceError(f"the trace's engine options are not this noesis's: {exc}") from exc
     engine = Engine(str(model_dir), config)
     engine.observer = EngineObserver(engine, None, TraceWriter(None, {}))

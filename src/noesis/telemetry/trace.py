@@ -1,11 +1,12 @@
 """Deterministic traces: what an engine run needs to be replayed token for token.
 
-A trace is JSON lines: a header (model and tokenizer hashes, engine config, device, dtype,
-versions), then in engine order each admitted request (prompt ids, sampling parameters with its
-resolved seed, grammar) and abort, keyed by the engine step before which it happened, each
-step's batch composition (request, tokens fed, proposals verified) and the tokens each step
-produced, and each request's finish. Replaying re-adds the requests at the same steps: the
-scheduler is deterministic, so the same batches run the same kernels and sample the same ids.
+A trace is JSON lines: a header (model and tokenizer hashes, a draft model's hash, engine
+config, device, dtype, versions), then in engine order each admitted request (prompt ids,
+sampling parameters with its resolved seed, grammar) and abort, keyed by the engine step before
+which it happened, each step's batch composition (request, tokens fed, proposals verified) and
+the tokens each step produced, and each request's finish. Replaying re-adds the requests at the
+same steps: the scheduler is deterministic, so the same batches run the same kernels and sample
+the same ids.
 """
 
 from __future__ import annotations
@@ -69,6 +70,34 @@ def model_hashes(model_dir: Path) -> tuple[str, str]:
         if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template"))
     ]
     return file_hash(weights), file_hash(tokenizer)
+
+
+def checkpoint_path(model: str | Path) -> Path:
+    """What a model argument names, resolved as the loader does: a GGUF file as it is, else
+    the checkpoint directory (local, bundled or from the hub)."""
+    from noesis.weights.gguf import is_gguf
+    from noesis.weights.hub import resolve_model_dir
+
+    return Path(model) if is_gguf(model) else resolve_model_dir(model)
+
+
+def check_hashes(header: dict[str, Any], model: str | None) -> Path:
+    """The checkpoint a replay runs (`model`, else the trace's), once its files hash as the
+    recording's did: the model, the tokenizer and a draft model's weights; TraceError if not."""
+    model_path = checkpoint_path(model or header["model"])
+    model_hash, tokenizer_hash = model_hashes(model_path)
+    found = [("model", model_path, model_hash), ("tokenizer", model_path, tokenizer_hash)]
+    speculative = header["engine"].get("speculative") or {}
+    if "draft_hash" in header:  # traces from before it was recorded have none to compare
+        draft_path = checkpoint_path(speculative["draft"])
+        found.append(("draft", draft_path, model_hashes(draft_path)[0]))
+    for name, path, value in found:
+        if header[f"{name}_hash"] != value:
+            raise TraceError(
+                f"the trace was recorded with {name} hash {header[f'{name}_hash'][:16]}..., "
+                f"{path} has {value[:16]}...: a replay needs the same {name} files"
+            )
+    return model_path
 
 
 def params_to_dict(params: SamplingParams, seed: int) -> dict[str, Any]:
