@@ -84,14 +84,19 @@ def test_a_conversation_carries_its_phi_into_the_next_generation():
     assert (second.temperature, second.top_p) == (first.temperature, first.top_p) != (0.8, 0.9)
 
 
-def test_a_trace_records_a_conversations_control_as_on():
+def test_a_trace_records_a_conversations_control_as_on_with_its_state():
+    """(How the state comes back: tests/unit/test_telemetry.py.)"""
     import json
 
+    from noesis.control.record import RecordedControl
     from noesis.telemetry.trace import params_from_dict, params_to_dict
 
     params = TurnControl(DefaultPolicy()).params(SAMPLED)
     recorded = json.loads(json.dumps(params_to_dict(params, seed=5)))
-    assert recorded["control"] is True and params_from_dict(recorded).control is True
+    assert recorded["control"] is True and recorded["control_state"]["policy"] == "default"
+    assert isinstance(params_from_dict(recorded).control, RecordedControl)
+    assert params_to_dict(SAMPLED, 5)["control"] is True and "control_state" not in params_to_dict(
+        SAMPLED, 5)
     assert params_to_dict(dataclasses.replace(SAMPLED, control=False), 5)["control"] is False
 
 

@@ -288,3 +288,40 @@ def test_controlled_rows_replay(checkpoints, tmp_path):
     llm.engine.close()
     with pytest.raises(TraceError, match="control must be"):
         replay(trace)
+
+
+def test_a_conversations_control_state_is_recorded_and_restored():
+    """A later generation of a controlled conversation starts from the belief and Φ the
+    conversation reached: the trace records that state with the request, and the replayed
+    request's knobs start, and then move token by token, as the live ones do."""
+    from noesis.control.phi import Phi
+    from noesis.control.policy import DefaultPolicy
+    from noesis.control.turns import TurnControl
+    from noesis.sampling.metrics import TokenMetrics
+    from noesis.telemetry.trace import params_from_dict, params_to_dict
+
+    live = TurnControl(DefaultPolicy())
+    params = live.params(SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8))
+    state = live.state
+    for entropy in (0.9, 1.4, 1.6, 1.5, 1.7, 0.2):  # an earlier generation's tokens
+        state.belief.observe(TokenMetrics(entropy, 0.1, 0.9, 0.5))
+    state.belief.observe_tool("calculator", ok=True, attempts=2, error=None)
+    state.phi.phi = Phi(0.72, 0.81, 3, 140)
+    state.phi.direction, state.phi.streak = 1, 2
+    live.tool_choice("auto")  # the policy's emit-vs-tool decision for this generation
+    recorded = json.loads(json.dumps(params_to_dict(params, 3)))
+    assert recorded["control_state"]["decisions"] == state.decisions != []
+    replayed = params_from_dict(recorded)
+    assert replayed.temperature == 0.8 and replayed.seed == 3
+    knobs_live, knobs_replayed = live.knobs(params), replayed.control.knobs(replayed)
+    assert (knobs_replayed.temperature, knobs_replayed.top_p) == pytest.approx((0.72, 0.81))
+    for entropy in (1.8, 1.9, 2.0, 0.1, 0.1, 0.1, 0.1, 0.1, 2.5, 2.5, 2.5):
+        metrics = TokenMetrics(entropy, 0.2, 0.8, 0.3)
+        knobs_live.observe(metrics)
+        knobs_replayed.observe(metrics)
+        assert (knobs_replayed.temperature, knobs_replayed.top_p) == (
+            knobs_live.temperature, knobs_live.top_p)
+    assert knobs_live.temperature != pytest.approx(0.72)  # the sequence moved the knobs
+    restored = knobs_replayed.state
+    assert restored.belief.reliability("calculator") == state.belief.reliability("calculator")
+    assert list(restored.belief.recent) == list(state.belief.recent)

@@ -101,19 +101,30 @@ def check_hashes(header: dict[str, Any], model: str | None) -> Path:
 
 
 def params_to_dict(params: SamplingParams, seed: int) -> dict[str, Any]:
-    # A conversation's control (an object) is recorded as control on: a replay steers the
-    # request with the engine's own policy, from a fresh belief.
-    out = dataclasses.asdict(dataclasses.replace(params, control=params.control is not False))
+    """A request's sampling parameters as JSON. A conversation's control (an object,
+    noesis.control.turns.TurnControl) is recorded as the state its knobs start from, which a
+    replay restores (noesis.control.record)."""
+    from noesis.control.record import record_state
+
+    control = params.control
+    out = dataclasses.asdict(dataclasses.replace(params, control=control is not False))
+    if getattr(control, "state", None) is not None:
+        out["control_state"] = record_state(control.policy, control.state)
     out["seed"] = seed
     out["stop"], out["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
     return out
 
 
 def params_from_dict(data: dict[str, Any]) -> SamplingParams:
+    from noesis.control.record import RecordedControl
+
     data = dict(data)
     grammar = data.pop("grammar", None)
     if grammar is not None:
         grammar = GrammarSpec(**grammar)
+    state = data.pop("control_state", None)
+    if state is not None:
+        data["control"] = RecordedControl(state)
     return SamplingParams(**data, grammar=grammar)
 
 
