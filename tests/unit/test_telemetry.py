@@ -325,3 +325,18 @@ def test_a_conversations_control_state_is_recorded_and_restored():
     restored = knobs_replayed.state
     assert restored.belief.reliability("calculator") == state.belief.reliability("calculator")
     assert list(restored.belief.recent) == list(state.belief.recent)
+
+
+def test_a_conversations_emit_vs_tool_decision_reaches_the_metrics(checkpoints):
+    """The policy's decision at a controlled conversation's generation (TurnControl.tool_choice)
+    is recorded with the generation's first token, with no call from the Session."""
+    from noesis.control.policy import DefaultPolicy
+    from noesis.control.turns import TurnControl
+
+    llm = checkpoints.new_llm("llama", telemetry=True)
+    control = TurnControl(DefaultPolicy())
+    params = control.params(SamplingParams(temperature=0.8, seed=1, max_tokens=3,
+                                           ignore_eos=True))
+    control.tool_choice("auto")
+    (output,) = llm.generate([PROMPTS[0]], params)
+    assert output.metrics.decisions == {0: {"decision": control.state.decisions[-1]}}

@@ -67,6 +67,10 @@ class EngineObserver:
                     "params": params_to_dict(seq.params, seq.seed),
                 }
             )
+        state_of_control = getattr(seq.params.control, "state", None)  # a conversation's
+        if state_of_control is not None and state_of_control.decisions:
+            # its emit-vs-tool decision for this generation, with the generation's first token
+            self.annotate(seq.request_id, decision=state_of_control.decisions[-1])
 
     def aborted(self, request_id: str) -> None:
         if self.trace is not None:
