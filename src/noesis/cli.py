@@ -850,8 +850,8 @@ def _replay(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report_dict(report), indent=2) + "\n")
     if report.ok:
-        print(f"replay: all {report.tokens} tokens of {report.requests} requests over "
-              f"{report.steps} steps match")
+        requests = f"{report.requests} request{'s' if report.requests != 1 else ''}"
+        print(f"replay: all {report.tokens} tokens of {requests} over {report.steps} steps match")
         return 0
     print(f"replay: {report.divergence.describe()}", file=sys.stderr)
     return 1
