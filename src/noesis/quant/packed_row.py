@@ -11,7 +11,10 @@ TRITON_INTERPRET=1 on a CPU, and compiled for sm_90 in tests/unit/test_kernels_c
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from pathlib import Path
 
 import torch
 import triton
@@ -30,6 +33,7 @@ from noesis.kernels.row_gemv import (
     _x_tile,
 )
 from noesis.quant.kernel import (
+    _device_name,
     _run_length,
     _unpack_in_thread,
     _zero_point,
@@ -139,6 +143,8 @@ def _packed_products(words, scale, offset, x, field, BITS: tl.constexpr, ROWS: t
 
 # (rows per program, K tile, warps, pipeline stages), looked up in order:
 # - PACKED_ROW_TUNED, per (mode, bits, N, K): set by benchmarks;
+# - packed_row_configs.json beside this file, per GPU name and "mode,bits,N,K": measured by
+#   benchmarks/packed_row_sweep.py;
 # - PLAIN (no norm: the kernel is _packed_gemv's loop, the residual added after): the one-row
 #   packed GEMV's tuned config for the same weight (quant/gemv_configs.json, rows 1), where it
 #   is a CUDA-core one without a split over K;
@@ -148,6 +154,7 @@ def _packed_products(words, scale, offset, x, field, BITS: tl.constexpr, ROWS: t
 #   a warp holds: in sm_90 SASS the int4 gate_up loop takes 7.7 instructions per code with
 #   8 + 8 rows per warp, 5.6 with 16 + 16 (the unfused GEMV's: 5.1 with 16 rows).
 PACKED_ROW_TUNED: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
+CONFIG_FILE = Path(__file__).with_name("packed_row_configs.json")
 DEFAULT_ROWS = 16
 
 
@@ -156,10 +163,20 @@ def packed_row_config(mode: int, packed, n: int, k: int,
     key = (mode, packed.bits, n, k)
     if key in PACKED_ROW_TUNED:
         return PACKED_ROW_TUNED[key]
+    measured = _measured_configs(_device_name(device)).get(",".join(map(str, key)))
+    if measured is not None:
+        return tuple(measured)
     tuned = gemv_config(packed.bits, n, k, 1, device)
     if mode == PLAIN and not tuned.dot and tuned.split_k == 0:
         return tuned.block_n, tuned.block_k, tuned.warps, tuned.stages
     return DEFAULT_ROWS, 256, 1, 3
+
+
+@functools.cache
+def _measured_configs(gpu: str) -> dict[str, list[int]]:
+    if not CONFIG_FILE.exists():
+        return {}
+    return json.loads(CONFIG_FILE.read_text()).get(gpu, {})
 
 
 def _launch(mode, x, packed, y, programs, config, *, norm=None, eps=0.0, residual=None,
