@@ -11,8 +11,8 @@ request's turn, offered as it is admitted, with two declared tools) and memory (
 a token cadence here, `--memory-every`, so that it works during the timed steps rather than only
 at a request's end, a heavier load than its default), alternating off/on `--repeats` times. The
 sidecars run where the runtime puts them: CPU worker threads. The proof the issue asks for:
-tok/s on >= 97% of off at each batch. There is no contradiction sidecar in noesis.sidecars (the
-binding gate scores contradiction itself): it is not measured.
+tok/s on >= 97% of off at each batch. The contradiction sidecar (noesis.sidecars.contradiction)
+is not measured: it scores branches of n > 1 requests, which this decode does not run.
 
 The checkpoint's tokenizer is replaced by a word-level one covering the whole vocabulary, one id
 in 16 a word ending in "." (clause ends), so that the random weights' tokens decode to text the

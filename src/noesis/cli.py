@@ -342,8 +342,8 @@ def _add_sidecar_args(parser: argparse.ArgumentParser, listing: bool = False) ->
         const="" if listing else None,
         help=("list the server's sidecars (placement, cadence, policy): FILE's, if given, "
               "and the safety sidecar with --safety" if listing else
-              "a .toml or .json file whose [sidecars] tables configure the sidecars (the "
-              "safety sidecar's threshold, policy, cadence, placement)"),
+              "a .toml or .json file whose [sidecars] tables configure the sidecars (safety, "
+              "intent, contradiction: threshold, policy, cadence, placement)"),
     )
     group.add_argument(
         "--safety", action=argparse.BooleanOptionalAction, default=None,

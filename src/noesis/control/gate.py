@@ -1,7 +1,9 @@
 """Binding gate for n > 1 branches of one request: score each branch by -entropy, -contradiction
-(disagreement with the other branches' answers: self-consistency until an NLI side model exists)
 and +schema validity; prune the weakest, at most `max_prune_rate` of the live branches per check,
-and only branches that scored low in `hysteresis` checks in a row."""
+and only branches that scored low in `hysteresis` checks in a row. Contradiction is the
+contradiction sidecar's score when a branch has one (noesis.sidecars.contradiction: its latest
+result, visible from the step after it was asked), else disagreement of the branches' exact answer
+strings (self-consistency)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ class Branch:
     mean_entropy: float  # nats per token so far
     answer: str | None = None  # what it concludes, when it has (compared across branches)
     schema_valid: bool | None = None  # its tool arguments validate (None: no call yet)
+    # p(contradiction) against the context and the other branches, from the contradiction
+    # sidecar (None: off, or not answered yet: the answers' self-consistency stands in)
+    contradiction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,9 @@ class BindingGate:
         scores = {}
         for key, b in branches.items():
             score = -b.mean_entropy if math.isfinite(b.mean_entropy) else -math.inf
-            if b.answer is not None and answered > 1:
+            if b.contradiction is not None:
+                score -= c.contradiction_weight * b.contradiction
+            elif b.answer is not None and answered > 1:
                 agreement = (answers[b.answer] - 1) / (answered - 1)
                 score -= c.contradiction_weight * (1 - agreement)
             if b.schema_valid is not None:

@@ -11,6 +11,9 @@ SidecarRuntime in the engine's own process.
     [sidecars.intent]            # guesses each turn's tool; scores the guess at the turn's end
     threshold = 0.5              # the router's p at which the guess is acted on
 
+    [sidecars.contradiction]     # scores each branch against its context and siblings: the
+    threshold = 0.5              # binding gate reads the score; at threshold it counts a decision
+
 Torch-free: the CLI reads and lists the configuration without loading a model.
 """
 
@@ -28,6 +31,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "safety": {"model": "noesis-safety", "threshold": 0.8, "policy": "open", "cadence": "clause"},
     # the router guesses a turn's tool; at p >= threshold it is a prediction, scored at the end
     "intent": {"model": "noesis-router", "threshold": 0.5, "cadence": "turn"},
+    # p(a branch contradicts its context or its siblings), read by the binding gate
+    "contradiction": {"model": "noesis-contradiction", "threshold": 0.5, "cadence": "clause"},
 }
 COMMON = {"kind": None, "enabled": True, "model": None, "cadence": "request", "every": 16,
           "device": "cpu", "workers": 1, "queue_size": 8, "policy": "open", "threshold": 0.5}
@@ -136,10 +141,12 @@ def _model_dir(name: str, model: object) -> str:
 
 
 def _build(spec: SidecarSpec):
+    from noesis.sidecars.contradiction import ContradictionSidecar
     from noesis.sidecars.intent import IntentSidecar
     from noesis.sidecars.safety import SafetySidecar
 
-    builders = {"safety": SafetySidecar.load, "intent": IntentSidecar.load}
+    builders = {"safety": SafetySidecar.load, "intent": IntentSidecar.load,
+                "contradiction": ContradictionSidecar.load}
     sidecar = builders[spec.kind](spec.model, threshold=spec.threshold, policy=spec.policy,
                                   cadence=spec.cadence, placement=spec.placement)
     sidecar.name = spec.name
