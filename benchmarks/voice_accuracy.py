@@ -31,6 +31,7 @@ from noesis.tools.builtin import execute
 from noesis.voice.app import VoiceSession
 from noesis.voice.audio import write_wav
 from noesis.voice.config import load_config
+from noesis.voice.messages import STAGES
 
 sys.path.insert(0, str(Path(__file__).parent))
 from voice_latency import run_turn  # noqa: E402  (benchmarks/ is not a package)
@@ -161,6 +162,7 @@ def warm_turns(session: VoiceSession, questions) -> list[dict]:
             "answer_heard": heard, "text_correct": holds(report["answer"], expected),
             "correct": holds(heard, expected),
             "first_audio_s": report["seconds_after_speech_end"].get("first_audio"),
+            "stages_s": report["seconds_after_speech_end"],
         })  # fmt: skip
         print(f"  {rows[-1]['correct']!s:5} {text!r} -> {report['answer']!r} -> {heard!r}",
               file=sys.stderr)  # fmt: skip
@@ -226,6 +228,11 @@ def main() -> int:
             "routed_as_expected": sum(r.get("task") == r.get("expected_task") for r in rows),
             "questions": len(rows),
             "warm_first_audio_s_median": _median(r.get("first_audio_s") for r in rows),
+            # where the warm turns' time goes: each stage's median, after the end of speech
+            "warm_stages_s_median": {
+                stage: _median(r.get("stages_s", {}).get(stage) for r in rows)
+                for stage in STAGES[1:]
+            },
             "cold": cold,
             "cold_first_audio_s_median": _median(r["first_audio_s"] for r in cold),
         }
@@ -247,6 +254,9 @@ def table(result: dict) -> str:
             f"{v['text_correct']:>5}/{n}{v['routed_as_expected']:>5}/{n}"
             f"{v['warm_first_audio_s_median']:>14} s{('-' if cold is None else f'{cold} s'):>9}"
         )
+    for tts, v in result["voices"].items():
+        stages = ", ".join(f"{k} {t}" for k, t in v["warm_stages_s_median"].items())
+        lines.append(f"{tts} warm medians after the end of speech (s): {stages}")
     return "\n".join(lines)
 
 

@@ -135,3 +135,42 @@ def test_setting_stop_aborts_the_request(tiny_pool):
     assert spoken == [] or len("".join(spoken)) < 40
     assert not llm.engine.has_unfinished(), "the request was not aborted"
     assert llm_bytes(llm) > 0 and tiny_pool.stats.misses >= 1
+
+
+def test_the_spoken_answer_is_decoded_grounded_as_chat_decodes(monkeypatch):
+    # Free, the model copied the words a tool works on wrongly ("stawberry"): the voice samples
+    # under the grounded turn grammar, arguments copied from the user's words.
+    from noesis.session import Session
+
+    seen = {}
+
+    def stream(self, messages, tools=None, *args, **options):
+        seen.update(options, tools=[t.name for t in tools], messages=messages)
+        return (event for event in ())  # closable, as Session.stream's generator
+
+    monkeypatch.setattr(Session, "stream", stream)
+    messages = [{"role": "user", "content": "How many r's are in the word strawberry?"}]
+    settings = AnswerSettings(system="Answer briefly.")
+    assert list(stream_answer(object(), messages, ("string_tool",), settings,
+                              threading.Event())) == []  # fmt: skip
+    assert seen["constrained"] is True and seen["grounded"] is True
+    assert seen["tools"] == ["string_tool"] and seen["messages"][-1] == messages[-1]
+
+
+def test_experts_decode_speculatively_with_the_draft_and_say_the_same(tiny_pool, tmp_path):
+    load = llm_loader("float32", 1024, draft=MODELS / "noesis-tiny-draft",
+                      telemetry=str(tmp_path / "voice.jsonl"))
+    drafted = load(ExpertSpec("noesis-tiny", MODELS / "noesis-tiny"), "cpu")
+    assert drafted.engine.speculator is not None
+    # noesis voice --telemetry: a file per expert beside the path given
+    assert drafted.engine.config.telemetry == str(tmp_path / "voice.noesis-tiny.jsonl")
+    draft = load(ExpertSpec("noesis-tiny-draft", MODELS / "noesis-tiny-draft"), "cpu")
+    assert draft.engine.speculator is None  # the draft does not draft for itself
+    plain = tiny_pool.acquire("noesis-tiny", "cpu")
+    messages = [{"role": "user", "content": "What is 17 times 23?"}]
+
+    def spoken(llm) -> str:
+        return "".join(stream_answer(llm, messages, ("calculator",), AnswerSettings(),
+                                     threading.Event()))  # fmt: skip
+
+    assert spoken(drafted) == spoken(plain)  # greedy: the same text, fewer target forwards

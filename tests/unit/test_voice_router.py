@@ -95,6 +95,10 @@ def test_config_files_override_defaults(tmp_path: Path):
     bad.write_text(json.dumps({"rules": [{"tasks": ["*"], "expert": "nope", "device": ["cpu"]}]}))
     with pytest.raises(ConfigError, match="names expert 'nope'"):
         load_config(bad)
+    bad.write_text(json.dumps({"generation": {"draft": "nope"}}))
+    with pytest.raises(ConfigError, match="generation.draft names expert 'nope'"):
+        load_config(bad)
+    assert load_config().generation.draft == "noesis-tiny-draft"  # speculates for the others
     bad.write_text(json.dumps({"threads": {"tts": 0}}))
     with pytest.raises(ConfigError, match="threads.tts"):
         load_config(bad)

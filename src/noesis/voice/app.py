@@ -70,6 +70,10 @@ def add_voice_parser(subparsers) -> argparse.ArgumentParser:
     voice.add_argument("--asr", choices=("whisper", "grammar"), default="whisper")
     voice.add_argument("--tts", choices=("piper", "espeak"), default="piper")
     voice.add_argument("--turns", type=int, help="with --mic: stop after this many turns")
+    voice.add_argument(
+        "--telemetry", metavar="PATH",
+        help="per-step and per-request telemetry as JSON lines, a file per expert model beside "
+             "PATH (voice.jsonl -> voice.noesis-tiny.jsonl, ...), as --telemetry on generate")
     voice.set_defaults(handler=run)
     return voice
 
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mic:
         return _run_mic(args, config)
     samples, rate = _read_question(args.input)
-    session = VoiceSession.build(config, args.asr, args.tts)
+    session = VoiceSession.build(config, args.asr, args.tts, args.telemetry)
     sink = WavRecorder(session.synthesizer.sample_rate)
     source = wav_source(samples, rate)
     reports = asyncio.run(session.run(source, sink, max_turns=1, dashboard=args.dashboard))
@@ -115,7 +119,7 @@ def _run_mic(args: argparse.Namespace, config: VoiceConfig) -> int:
     from noesis.voice.audio import Microphone
 
     with Microphone(VAD_RATE, BLOCK_SAMPLES) as mic:  # no device: fails before models load
-        session = VoiceSession.build(config, args.asr, args.tts)
+        session = VoiceSession.build(config, args.asr, args.tts, args.telemetry)
         sink = SpeakerSink(session.synthesizer.sample_rate)
         listening = threading.Event()
         listening.set()
@@ -183,7 +187,8 @@ class VoiceSession:
         self.pipeline: Pipeline | None = None
 
     @classmethod
-    def build(cls, config: VoiceConfig, asr: str = "whisper", tts: str = "piper") -> VoiceSession:
+    def build(cls, config: VoiceConfig, asr: str = "whisper", tts: str = "piper",
+              telemetry: str | None = None) -> VoiceSession:
         from noesis.voice.router import Router
 
         router = Router.load(config.router)
@@ -191,7 +196,8 @@ class VoiceSession:
         pool = ExpertPool(
             [ExpertSpec(name, path) for name, path in config.experts.items()],
             config.memory_budget_bytes,
-            llm_loader(config.generation.dtype, config.generation.max_model_len),
+            llm_loader(config.generation.dtype, config.generation.max_model_len,
+                       config.experts.get(config.generation.draft), telemetry),
             llm_bytes,
             config.prefetch_chunk_bytes,
         )

@@ -268,22 +268,41 @@ class ExpertPool:
 # ---------------------------------------------------------------- noesis.LLM experts
 
 
-def llm_loader(dtype: str, max_model_len: int) -> Callable[[ExpertSpec, str], Any]:
+def llm_loader(
+    dtype: str, max_model_len: int, draft: Path | None = None, telemetry: str | None = None
+) -> Callable[[ExpertSpec, str], Any]:
     """Load an expert through noesis.LLM, with a KV pool sized for one conversation and prefix
     caching on: every turn starts with the same system and tool declarations (hundreds of
     tokens, warmed once by `warm_prefix`), and each tool round's request repeats the turn so far.
     On two CPU cores re-reading them cost 0.25 s before the first token and again after the
-    tool's result."""
+    tool's result. With `draft` (a checkpoint sharing the experts' tokenizer), every other expert
+    decodes speculatively with it: the same greedy text, fewer target forwards. With
+    `telemetry` (a path), each expert's engine writes its own telemetry file beside it,
+    expert_telemetry_path's."""
 
     def load(spec: ExpertSpec, device: str):
         from noesis.llm import LLM
+        from noesis.speculative.config import SpeculativeConfig
 
+        speculative = None
+        if draft is not None and spec.path != draft:
+            speculative = SpeculativeConfig("draft", draft=str(draft))
+        engine_telemetry = expert_telemetry_path(telemetry, spec.name) if telemetry else False
         return LLM(
             str(spec.path), device=device, dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=2, progress=False, enable_prefix_caching=True,
+            max_num_seqs=2, progress=False, enable_prefix_caching=True, speculative=speculative,
+            telemetry=engine_telemetry,
         )
 
     return load
+
+
+def expert_telemetry_path(path: str, expert: str) -> str:
+    """One expert's telemetry file: `path` with the expert's name before its suffix
+    (voice.jsonl -> voice.noesis-tiny.jsonl). Each engine writes its own file: several writing
+    one file would interleave partial lines."""
+    target = Path(path)
+    return str(target.with_name(f"{target.stem}.{expert}{target.suffix}"))
 
 
 def llm_bytes(llm) -> int:
@@ -313,9 +332,13 @@ def stream_answer(
     on_first_token: Callable[[], None] = lambda: None,
 ) -> Iterator[str]:
     """Yield the final-channel text of the answer to the last user message as it is generated,
-    running the built-in tools the model calls in between (Session.stream, unconstrained). Only
-    final-channel text is yielded; analysis and tool calls are not. Setting `stop` (or closing
-    the iterator) aborts the request."""
+    running the built-in tools the model calls in between (Session.stream). Only final-channel
+    text is yielded; analysis and tool calls are not. Setting `stop` (or closing the iterator)
+    aborts the request.
+
+    Decoding is grounded, as `noesis chat` decodes: a well-formed turn, enum arguments from their
+    values, the text a string tool works on and the country copied from the user's words (free,
+    the model counted the letters of "stawberry"). The grammar costs no measurable time here."""
     from noesis.sampling.params import SamplingParams
     from noesis.session import Session
     from noesis.tools.builtin import builtin_tools
@@ -326,7 +349,9 @@ def stream_answer(
     params = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens)
     system = [{"role": "developer", "content": settings.system}] if settings.system else []
     session = Session(llm, max_tool_rounds=settings.max_tool_steps - 1)
-    events = session.stream(system + messages, tools, params=params, constrained=False)
+    events = session.stream(
+        system + messages, tools, params=params, constrained=True, grounded=True
+    )
     try:
         yield from _spoken(events, stop, on_first_token, stray_calls=not tool_names)
     finally:
@@ -334,10 +359,11 @@ def stream_answer(
 
 
 def warm_prefix(llm, tool_names: tuple[str, ...], settings: AnswerSettings) -> None:
-    """Run a one-token turn with the tools a route declares, so that the prompt's shared
-    beginning (system message, developer message with the tools) is in the prefix cache before
-    the first real question of that route."""
-    warm = replace(settings, max_tokens=1, max_tool_steps=1)
+    """Run a short turn with the tools a route declares, so that the prompt's shared beginning
+    (system message, developer message with the tools) is in the prefix cache before the first
+    real question of that route; its few tokens also run a draft's first proposals and their
+    verification, when the expert decodes speculatively."""
+    warm = replace(settings, max_tokens=4, max_tool_steps=1)
     for _ in stream_answer(llm, [{"role": "user", "content": "Hello"}], tool_names, warm,
                            threading.Event()):
         pass

@@ -13,19 +13,22 @@ MONTHS = (
 _NUMBER = r"\d+(?:\.\d+)?"
 _DATE = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b")
 # Between two numbers only: "x-ray", "km/h" and "e-mail" keep their signs.
+_LEFT = rf"({_NUMBER}|(?<=\d )(?:squared|cubed))"  # a number, or a number's power in words
 _OPERATORS = (
+    (re.compile(rf"({_NUMBER})\s*\*\*\s*2(?![\d.])"), r"\1 squared"),
+    (re.compile(rf"({_NUMBER})\s*\*\*\s*3(?![\d.])"), r"\1 cubed"),
     (re.compile(rf"({_NUMBER})\s*\*\*\s*(?=\d)"), r"\1 to the power of "),
-    (re.compile(rf"({_NUMBER})\s*[*×]\s*(?=\d)"), r"\1 times "),
-    (re.compile(rf"({_NUMBER})\s*[/÷]\s*(?=\d)"), r"\1 divided by "),
-    (re.compile(rf"({_NUMBER})\s*\+\s*(?=\d)"), r"\1 plus "),
-    (re.compile(rf"({_NUMBER})\s*[-−]\s*(?=\d)"), r"\1 minus "),
-    (re.compile(rf"({_NUMBER})\s*=\s*(?=-?\d)"), r"\1 equals "),
+    (re.compile(rf"{_LEFT}\s*[*×]\s*(?=\d)"), r"\1 times "),
+    (re.compile(rf"{_LEFT}\s*[/÷]\s*(?=\d)"), r"\1 divided by "),
+    (re.compile(rf"{_LEFT}\s*\+\s*(?=\d)"), r"\1 plus "),
+    (re.compile(rf"{_LEFT}\s*[-−]\s*(?=\d)"), r"\1 minus "),
+    (re.compile(rf"{_LEFT}\s*=\s*(?=-?\d)"), r"\1 equals "),
 )
 
 
 def speakable(text: str) -> str:
     """`text` with ISO dates as words ("2024-03-05" -> "March 5, 2024") and arithmetic signs
-    between numbers as words ("100-38 = 62" -> "100 minus 38 equals 62")."""
+    between numbers as words ("100-38 = 62" -> "100 minus 38 equals 62", "8**2" -> "8 squared")."""
     text = _DATE.sub(_date_words, text)
     for pattern, words in _OPERATORS:
         text = pattern.sub(words, text)
