@@ -118,4 +118,4 @@ def test_generate_records_telemetry_and_a_trace_that_replays(tiny_model, tmp_pat
     records = read_records(telemetry)
     assert sum(len(ids) for r in records if r["kind"] == "step" for _, ids in r["out"]) == 5
     assert main(["replay", str(trace)]) == 0
-    assert "5 tokens of 1 requests" in capsys.readouterr().out
+    assert "5 tokens of 1 request over" in capsys.readouterr().out

@@ -79,4 +79,4 @@ def test_a_busy_servers_request_replays_alone(traced, capsys):
     assert shared, "the request never shared a batch"
 
     assert main(["replay", str(trace), "--request", chat_id]) == 0, capsys.readouterr().err
-    assert "all 12 tokens of 1 requests" in capsys.readouterr().out
+    assert "all 12 tokens of 1 request over" in capsys.readouterr().out
