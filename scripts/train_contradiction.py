@@ -37,6 +37,9 @@ from noesis.sidecars.contradiction import (
 from noesis.tiny import corpus
 from noesis.tiny.corpus import WEEKDAYS, Example
 
+sys.path.insert(0, str(Path(__file__).parent))
+from train_router import fit_batches  # noqa: E402  (scripts/ is not a package)
+
 Pair = tuple[str, str, int, str]  # (premise, hypothesis, label: 1 contradiction, kind)
 
 # Frames that restate an answer in other words, and that deny it; each list's held-out half
@@ -144,23 +147,11 @@ def dataset(seed: int, split: str, count: int) -> list[Pair]:
 
 
 def fit(model: ContradictionModel, train: list[Pair], args) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
-    generator = torch.Generator().manual_seed(args.seed)
     targets = torch.tensor([label for _, _, label, _ in train])
-    losses = []
-    model.train()
-    for _ in range(args.epochs):
-        order = torch.randperm(len(train), generator=generator)
-        for begin in range(0, len(train), args.batch_size):
-            rows = order[begin : begin + args.batch_size].tolist()
-            inputs = encode_pairs([(train[i][0], train[i][1]) for i in rows], model.config)
-            loss = torch.nn.functional.cross_entropy(model(**inputs), targets[rows])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    model.eval()
-    return losses
+    return fit_batches(
+        model, targets,
+        lambda rows: model(**encode_pairs([train[i][:2] for i in rows], model.config)), args,
+    )
 
 
 def accuracy(scorer: ContradictionScorer, pairs: list[Pair], threshold: float = 0.5) -> float:

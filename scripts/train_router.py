@@ -139,16 +139,24 @@ def number_words(n: int) -> str:
 def fit(model: RouterModel, train: list[tuple[str, str]], args) -> list[float]:
     label_index = {label: i for i, label in enumerate(model.config.labels)}
     targets = torch.tensor([label_index[label] for _, label in train])
+    return fit_batches(
+        model, targets, lambda rows: model(*batch([train[i][0] for i in rows], model.config)), args
+    )
+
+
+def fit_batches(model: torch.nn.Module, targets: torch.Tensor, logits_of, args) -> list[float]:
+    """AdamW over seeded shuffled mini-batches for args.epochs: logits_of(row indices) -> the
+    model's logits [B, C] for those training rows, against targets [N]. The per-batch losses.
+    (scripts/train_contradiction.py trains its pair model with this loop too.)"""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     generator = torch.Generator().manual_seed(args.seed)
     losses = []
     model.train()
     for _ in range(args.epochs):
-        order = torch.randperm(len(train), generator=generator)
-        for begin in range(0, len(train), args.batch_size):
+        order = torch.randperm(len(targets), generator=generator)
+        for begin in range(0, len(targets), args.batch_size):
             rows = order[begin : begin + args.batch_size]
-            logits = model(*batch([train[i][0] for i in rows.tolist()], model.config))
-            loss = torch.nn.functional.cross_entropy(logits, targets[rows])
+            loss = torch.nn.functional.cross_entropy(logits_of(rows.tolist()), targets[rows])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
