@@ -111,18 +111,18 @@ class GatedMLP(nn.Module):
 
 
 # The fused one-row block over packed int4 / int8 weights (noesis.quant.packed_row) is correct but
-# slower than the unfused packed GEMVs: H100, 8B AWQ int4 g128, batch 1, 2026-11-28: 230-272 tok/s
-# fused against 303 unfused (benchmarks/RESULTS.md). Off until it wins; tests and
-# benchmarks/gpu_quant.py turn it on.
+# slower than the unfused packed GEMVs: H100, 8B AWQ int4 g128, batch 1, 2026-11-28: 230-299 tok/s
+# fused against 303-308 unfused, its own tuned configs included (benchmarks/RESULTS.md). Off
+# until it wins; tests and benchmarks/gpu_quant.py turn it on.
 PACKED_ONE_ROW = False
 
 
 def fusable_one_row(config: ModelConfig, model: nn.Module) -> bool:
     """Whether the decoder's blocks can take the fused one-row path: bias-free projections the
     one-row kernels read (plain linear, or, with PACKED_ONE_ROW, packed int4 / int8 in
-    whole-tile groups), dense
-    MLPs, plain attention, no q/k norm, rotary over the whole head. Asked once the weights are
-    in (a GPTQ projection's act-order is read from its loaded table)."""
+    whole-tile groups), dense MLPs, plain attention, no q/k norm, rotary over the whole head.
+    Asked once the weights are in (a GPTQ projection's act-order is read from its loaded
+    table)."""
     if config.moe is not None or config.attention_sinks or config.attn_softcap is not None:
         return False
     linears = [m for name, m in model.named_modules()
