@@ -14,7 +14,10 @@ from noesis.telemetry.trace import load_trace
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
-def test_a_sidecar_block_replays_where_it_was_recorded(checkpoints, tmp_path, invariant):
+@pytest.mark.parametrize("reason", ["content_filter", "pruned"])
+def test_a_sidecar_block_replays_where_it_was_recorded(checkpoints, tmp_path, invariant, reason):
+    """A branch the binding gate pruned (noesis.control.branches) replays the same way: the
+    trace has the prune; the replay does not run the gate again."""
     trace = tmp_path / "blocked.trace"
     config = EngineConfig(device="cpu", dtype="float32", progress=False, deterministic=True,
                           trace=str(trace), batch_invariant=invariant)
@@ -24,12 +27,15 @@ def test_a_sidecar_block_replays_where_it_was_recorded(checkpoints, tmp_path, in
     engine.add_request([4, 5, 6, 7], greedy, "other")
     for _ in range(3):
         engine.step()
-    engine.filter_request("blocked", "a sidecar's verdict")  # as Engine._to_sidecars does
+    if reason == "pruned":
+        engine.prune_request("blocked")  # as Engine._check_branches does
+    else:
+        engine.filter_request("blocked", "a sidecar's verdict")  # as Engine._to_sidecars does
     while engine.has_unfinished():
         engine.step()
     engine.close()
     ends = {e["request_id"]: e for e in load_trace(trace).of_kind("finish")}
-    assert ends["blocked"]["reason"] == "content_filter"
+    assert ends["blocked"]["reason"] == reason
     assert 0 < len(ends["blocked"]["token_ids"]) < 12
     for request_id in (None, "blocked"):
         report = replay(trace, request_id=request_id)

@@ -267,6 +267,13 @@ class AsyncEngine:
         finally:
             self._embeddings.pop(embed_id, None)
 
+    def branches(self, request_ids: list[str], keep: int, tools: list[dict] | None = None,
+                 context: str | None = None) -> None:
+        """Declare requests this engine was given as branches of one request, `keep` of which
+        must finish (Engine.add_branches): the binding gate may prune the others. Sent after
+        their adds, so the engine has them when it reads this."""
+        self.backend.send(("branches", list(request_ids), keep, tools, context))
+
     def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         if request is not None:

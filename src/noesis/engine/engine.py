@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from noesis.control.knobs import TokenControl
+from noesis.control.knobs import TokenControl, start_phi
 from noesis.control.policy import make_policy
 from noesis.engine.config import EngineConfig
 from noesis.engine.loading import LoadedModel, load_model
@@ -154,6 +154,7 @@ class Engine:
         # waiting; the results that arrived since the step before are in `sidecar_results`.
         self.sidecars = config.sidecars.build() if config.sidecars is not None else None
         self.sidecar_results: list = []
+        self.branches = None  # noesis.control.branches.BranchGate, from the first add_branches
         self._unreported: list[RequestOutput] = []  # unstreamed requests' progress, for sidecars
         # The control plane's per-token knobs (noesis.control.knobs): the engine's policy for
         # requests that allow it, or a conversation's own (SamplingParams.control).
@@ -449,9 +450,9 @@ class Engine:
         (With telemetry on, the step's host time, less the device's, is booked.)"""
         observer = self.observer
         if observer is None:
-            return self._to_sidecars(self._step())
+            return self._check_branches(self._to_sidecars(self._step()))
         start, blocked = time.perf_counter(), observer.blocked_ms
-        outputs = self._to_sidecars(self._step())
+        outputs = self._check_branches(self._to_sidecars(self._step()))
         host_ms = (time.perf_counter() - start) * 1e3 - (observer.blocked_ms - blocked)
         observer.end_step(host_ms, idle=not self.has_unfinished())
         return outputs
@@ -467,6 +468,65 @@ class Engine:
             if result.decision == "block":
                 self.filter_request(result.request_id, result.reason)
         return outputs
+
+    def add_branches(self, request_ids: list[str], keep: int,
+                     tools: list[dict] | None = None, context: str | None = None) -> bool:
+        """Declare requests already added (each with SamplingParams(metrics=True)) as branches
+        of one request of which `keep` must finish: the control policy's binding gate
+        (noesis.control.branches) may stop the others early, finish_reason "pruned". `tools`
+        (OpenAI format) lets it check the branches' tool arguments; `context` (the last user
+        message) is what the contradiction sidecar compares their answers with. False when
+        there is nothing to gate: no control policy, or too few branches still running."""
+        policy = self.control.policy
+        if policy is None:
+            return False
+        running = {**self._requests, **{rid: c[0] for rid, c in self._compiling.items()}}
+        ids = [rid for rid in request_ids if rid in running]
+        if len(ids) <= keep:
+            return False
+        if any(running[rid].token_metrics is None for rid in ids):
+            raise InvalidRequest("branches need SamplingParams(metrics=True): the gate scores "
+                                 "their entropy")
+        if self.branches is None:
+            from noesis.control.branches import BranchGate
+            from noesis.turns import harmony_encoding
+
+            self.branches = BranchGate(policy, harmony_encoding(self.tokenizer))
+        params = running[ids[0]].seq.params
+        self.branches.add(ids, keep, policy.begin(start_phi(params)), tools)
+        lane = self.sidecars.lanes.get("contradiction") if self.sidecars is not None else None
+        if lane is not None:
+            lane.sidecar.show(ids, context)
+        return True
+
+    def _check_branches(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The branch groups' gate after a step: the branches it prunes end now (their outputs
+        come with the next step's, like a sidecar's block)."""
+        gate = self.branches
+        if gate is None or not gate.groups:
+            return outputs
+        finished = {out.request_id: out for out in outputs
+                    if out.finished and out.finish_reason in ("stop", "length")}
+        scores = {}
+        if self.sidecar_results:
+            from noesis.sidecars.contradiction import latest_scores
+
+            scores = latest_scores(self.sidecar_results)
+        for rid in gate.observe(self._requests, finished, scores):
+            self.prune_request(rid)
+        return outputs
+
+    def prune_request(self, request_id: str) -> None:
+        """End one branch with finish_reason "pruned" (the binding gate stopped it)."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        logger.debug("branch %s pruned", request_id)
+        self.scheduler.finish(state.seq, FinishReason.PRUNED)
+        self._release_speculation(state.seq)
+        if self.observer is not None:
+            self.observer.finished(state)
+        self._ended.append(state.output())
 
     def show_turn(self, request_id: str, messages: list[dict], tools: list[dict] | None) -> None:
         """Show the sidecars an admitted turn's last user message and declared tools (the

@@ -15,6 +15,7 @@ from noesis.engine.children import become_child
 from noesis.engine.engine import Engine, EngineConfig, EngineFault, format_timings
 from noesis.engine.messages import Command, EngineInfo, EngineStepError, Report, pack_error
 from noesis.engine.stats import EngineStats
+from noesis.errors import InvalidRequest
 
 log = logging.getLogger("noesis.engine")
 
@@ -83,6 +84,11 @@ class EngineLoop:
                         report.accepted.append(request_id)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
+            elif command[0] == "branches":
+                try:
+                    self.engine.add_branches(*command[1:])
+                except InvalidRequest as exc:  # the caller's mistake: its branches run ungated
+                    log.warning("branches not gated: %s", exc)
             elif command[0] == "embed":
                 report.embedded.append(self._embed(*command[1:]))
             else:

@@ -18,7 +18,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "content_filter"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "content_filter" | "pruned"
     logprobs: list[dict[int, float]] | None  # one dict per generated token when asked
     finished: bool
     num_preemptions: int = 0

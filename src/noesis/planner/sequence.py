@@ -22,6 +22,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
     ERROR = "error"  # a failure of this request alone (its knobs, grammar, logits); see `error`
     CONTENT_FILTER = "content_filter"  # a sidecar (noesis.sidecars) blocked it; see `filter_reason`
+    PRUNED = "pruned"  # the binding gate stopped this branch (noesis.control.branches)
 
 
 @dataclass(slots=True)

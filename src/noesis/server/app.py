@@ -59,6 +59,7 @@ from noesis.server.responses import (
 )
 from noesis.server.responses_api import ResponseReply, ResponsesRequest
 from noesis.server.stats_log import StatsLog
+from noesis.structured.grounding import user_texts
 from noesis.turns import response_format_spec
 
 log = logging.getLogger("noesis.server")
@@ -253,9 +254,31 @@ class ServerState:
         ]
         if adjust is not None:
             params = [[adjust(choice) for choice in choices] for choices in params]
+        gated = ranked and self.gates_branches(body)
+        if gated:  # the binding gate scores the branches by their entropy
+            params = [[dataclasses.replace(p, metrics=True) for p in choices]
+                      for choices in params]
         generation = Generation(self.engine, self.metrics, keep_outputs=not body.stream)
         await generation.start(prompts, params)
+        if gated:
+            self.gate_branches(body, generation, body.choices)
         return generation
+
+    def gates_branches(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
+        """Whether best_of's extra generations run under the binding gate: the server's control
+        policy is on (serve --control default) and the request did not opt out."""
+        return self.config.engine.control not in (None, "none") and body.control
+
+    def gate_branches(self, body: ChatCompletionRequest | CompletionRequest,
+                      generation: Generation, choices: int) -> None:
+        """Each prompt's generations are branches of one request, n of which must finish: the
+        engine's binding gate may stop the rest early (finish_reason "pruned", never returned)."""
+        chat = isinstance(body, ChatCompletionRequest)
+        texts = user_texts(body.template_messages()) if chat else []
+        tools = body.tools if chat and body.effective_tool_choice != "none" else None
+        for start in range(0, len(generation.streams), choices):
+            ids = [s.request_id for s in generation.streams[start : start + choices]]
+            self.engine.branches(ids, body.n, tools, texts[0] if texts else None)
 
     async def generate(
         self,
@@ -297,10 +320,11 @@ class ServerState:
 
 def best_of(outputs: list[RequestOutput], choices: int, n: int) -> list[RequestOutput]:
     """Of each prompt's `choices` generations (consecutive in `outputs`), the n with the
-    highest cumulative logprob, best first."""
+    highest cumulative logprob, best first; branches the binding gate pruned never count."""
     kept = []
     for start in range(0, len(outputs), choices):
-        group = outputs[start : start + choices]
+        # The gate prunes at most choices - n of them: n always remain
+        group = [out for out in outputs[start : start + choices] if out.finish_reason != "pruned"]
         group.sort(key=lambda out: -sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs,
                                                                strict=True)))
         kept += group[:n]

@@ -11,6 +11,8 @@ from typing import Any
 from noesis.telemetry.trace import Trace, TraceError, TraceWriter, check_hashes, load_trace
 
 BLOCKED = "content_filter"  # the finish reason of a request a sidecar blocked
+PRUNED = "pruned"  # ... and of a branch the binding gate stopped
+ENDED_BY_DECISION = (BLOCKED, PRUNED)  # replayed where the recording had them
 REPLAYED_BLOCK = "blocked by a sidecar in the recording"
 
 
@@ -93,7 +95,7 @@ def replay_alone(trace: Trace, request_id: str, model: str | None = None,
                          "the batches it shared")
     added = _added(trace, request_id)
     blocked = [e for e in trace.of_kind("finish") if e["request_id"] == request_id
-               and e["reason"] == BLOCKED]  # fmt: skip
+               and e["reason"] in ENDED_BY_DECISION]  # fmt: skip
     engine = _engine_for(trace, model, device)
     try:
         engine.add_request(added["prompt"], params_from_dict(added["params"]), request_id,
@@ -102,7 +104,7 @@ def replay_alone(trace: Trace, request_id: str, model: str | None = None,
         while engine.has_unfinished():
             engine.step()
             if blocked and _emitted(records) >= len(blocked[0]["token_ids"]):
-                engine.filter_request(request_id, REPLAYED_BLOCK)  # where the recording was
+                _end(engine, blocked[0])  # where the recording was
         got = records[1:]
     finally:
         engine.close()
@@ -209,7 +211,7 @@ def _run(engine, trace: Trace, until: str | None = None) -> list[dict[str, Any]]
 
     observer = engine.observer
     inputs = [e for e in trace.events if e["kind"] in ("add", "abort", "warm_up")
-              or (e["kind"] == "finish" and e["reason"] == BLOCKED)]  # fmt: skip
+              or (e["kind"] == "finish" and e["reason"] in ENDED_BY_DECISION)]  # fmt: skip
     position = 0
     ended = False  # whether `until` has ended
     while not ended and (position < len(inputs) or engine.has_unfinished()):
@@ -233,9 +235,12 @@ def _run(engine, trace: Trace, until: str | None = None) -> list[dict[str, Any]]
 
 
 def _end(engine, event: dict[str, Any]) -> None:
-    """An abort, or a sidecar's block (a "content_filter" finish), where the recording had it."""
+    """An abort, a sidecar's block (a "content_filter" finish) or the binding gate's prune,
+    where the recording had it."""
     if event["kind"] == "abort":
         engine.abort(event["request_id"])
+    elif event["reason"] == PRUNED:
+        engine.prune_request(event["request_id"])
     else:
         engine.filter_request(event["request_id"], REPLAYED_BLOCK)
 
