@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -271,3 +272,35 @@ def test_best_of_through_the_server_prunes_extra_branches_and_returns_n(checkpoi
     assert llm.engine.branches.pruned_total == 2 and policy.shown
     assert LENGTH * 3 < reply.usage.completion_tokens < LENGTH * 4  # 3 whole, 2 cut short
     assert 'noesis_requests_total{finish_reason="pruned"} 2.0' in metrics
+
+
+def test_the_contradiction_sidecar_scores_the_engines_branches(checkpoints):
+    """A real contradiction sidecar beside the gate: the engine shows it the group and its
+    context, and its scores (a step or more later) are what the gate's next check reads."""
+    from noesis.sidecars.contradiction import ContradictionScorer, ContradictionSidecar
+    from noesis.sidecars.runtime import Cadence, SidecarRuntime
+
+    model = BUNDLED.parent / "noesis-contradiction"
+    sidecar = ContradictionSidecar(ContradictionScorer.load(model), cadence=Cadence("tokens", 4))
+    runtime = SidecarRuntime([sidecar])
+    policy = Named(names=[])
+    engine = checkpoints.new_llm("llama", control=policy).engine
+    engine.sidecars = runtime
+    try:
+        ids = [engine.add_request(PROMPT, dataclasses.replace(BRANCH, seed=i), delta=True)
+               for i in range(3)]
+        assert engine.add_branches(ids, keep=1, context="What is the answer?")
+        while engine.has_unfinished():
+            engine.step()
+            deadline = time.monotonic() + 10  # let every offered window be scored
+            stats = runtime.stats()["contradiction"]
+            while (stats["completed"] + stats["drops"] + stats["errors"] < stats["windows"]
+                   and time.monotonic() < deadline):
+                time.sleep(0.001)
+                stats = runtime.stats()["contradiction"]
+    finally:
+        engine.sidecars = None
+        runtime.close()
+    last = policy.shown[-1]
+    assert len(policy.shown) >= 2 and set(last) == set(ids)
+    assert all(0.0 <= b.contradiction <= 1.0 for b in last.values())
