@@ -3,6 +3,7 @@ examples under each rung, greedy and sampled (T = 0.7, several seeds), with 95% 
 
     python benchmarks/control_ladder.py --split heldout --json ladder_heldout.json
     python benchmarks/control_ladder.py --split natural --json ladder_natural.json
+    python benchmarks/control_ladder.py --split control --json ladder_control.json  # new kinds
     python benchmarks/control_ladder.py --split train --n 100 --json ladder_train.json  # tuning
     python benchmarks/control_ladder.py --n 4 --seeds 0 --device cpu --json /tmp/l.json  # smoke
 
@@ -14,11 +15,11 @@ grammar-bound), +constraints (grounded turn grammar),
 turn's analysis capped at B tokens: noesis.control.think), +phi+efe+budget8, +skip (the grammar,
 each first turn's analysis skipped when a probe of the turn without analysis is confident:
 noesis.control.skip, margin floor 0.8), +skip-all (floor 0: analysis always skipped, the
-lever's bound). Per run, pooled
-over examples x seeds, each share with its Wilson interval: end-to-end accuracy, first-try schema
-validity of the calls made, unnecessary calls (of the examples expecting none) and missed calls
-(of those expecting one); tokens to answer (mean, normal interval) and its change against the
-unconstrained baseline of the same mode (paired bootstrap over examples), and how often the
+lever's bound). Per run, pooled over examples x seeds, each share with its Wilson interval:
+end-to-end accuracy, first-try schema validity of the first turns' calls and of every call (a
+chain's second too), unnecessary calls (of the examples expecting none), missed calls (of those
+requiring one) and optional calls (of those answerable either way: not an error); tokens to
+answer (mean, normal interval) and its change against the unconstrained baseline of the same mode (paired bootstrap over examples), and how often the
 controller forbade or forced the tool header. The JSON and the Quality@Tokens PNG
 (benchmarks/quality_at_tokens.py, --png) are rewritten after every run, so a cut-off run keeps
 what it finished.
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from noesis import LLM, SamplingParams  # noqa: E402
 from noesis.control.skip import ProbedTurns, SkipConfig  # noqa: E402
 from noesis.control.think import BudgetedTurns  # noqa: E402
-from noesis.tiny import harness  # noqa: E402
+from noesis.tiny import evaluate, harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNGS = {  # name: (constraint, control policy, turn generator over the LLM or None: the LLM)
@@ -88,7 +89,8 @@ def paired_change(ours: list[float], base: list[float], draws: int = 2000) -> di
 def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, seeds) -> dict:
     """Every seed of one rung and decoding mode, pooled over examples x seeds."""
     constraint, controller, wrap = RUNGS[rung]
-    scores, summaries, probes, began = [], [], [], time.perf_counter()
+    scores, traces, summaries, probes = [], [], [], []
+    began = time.perf_counter()
     for seed in seeds:
         config = harness.EvalConfig(split=args.split, n=args.n, corpus_seed=args.corpus_seed,
                                     max_tokens=args.max_tokens, seed=seed, constraint=constraint,
@@ -96,26 +98,43 @@ def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, see
         generator = wrap(llm) if wrap else llm
         result = harness.run(generator, examples, config, sampled)
         scores += result.scores
+        traces += result.traces
         summaries.append(result.summary)
         if isinstance(generator, ProbedTurns):
             probes.append(generator.stats)
     tokens = [float(s.tokens_to_answer) for s in scores if s.tokens_to_answer is not None]
     mean, t_low, t_high = mean_interval(tokens)
-    e2e = rate("end_to_end_accuracy", [s.end_to_end for s in scores])
-    e2e["end_to_end_ci"] = e2e.pop("end_to_end_accuracy_ci")  # the plot's (and older reports')
     return {
         "rung": rung, "mode": "greedy" if sampled is None else f"t={sampled.temperature:g}",
-        "seeds": list(seeds), "examples": len(scores), **e2e,
-        **rate("call_validity", [s.call.arguments_valid for s in scores if s.call.called]),
-        **rate("unnecessary_tool_calls",
-               [s.call.called is not None for s in scores if s.expected_tool is None]),
-        **rate("missed_tool_calls",
-               [s.call.called is None for s in scores if s.expected_tool is not None]),
+        "seeds": list(seeds), "examples": len(scores), **shares(traces, scores),
         "mean_tokens_to_answer": mean, "tokens_ci": [t_low, t_high],
         "tool_header_forbidden": _mean([s.get("tool_header_forbidden") for s in summaries]),
         "tool_header_forced": _mean([s.get("tool_header_forced") for s in summaries]),
         "per_example_tokens": tokens, "seconds": round(time.perf_counter() - began, 1),
         **_probe_summary(probes),
+    }  # fmt: skip
+
+
+def shares(traces: list, scores: list) -> dict:
+    """A run's shares, pooled over its traces (harness.Trace) and their scores: end to end,
+    first-try validity of the first turns' calls and of every call, and where the first turn
+    went: a call where none was expected (unnecessary), none where one was required (missed),
+    a call where either was right (optional: counted apart, not an error)."""
+    examples = [t.example for t in traces]
+    pairs = list(zip(examples, scores, strict=True))
+    e2e = rate("end_to_end_accuracy", [s.end_to_end for s in scores])
+    e2e["end_to_end_ci"] = e2e.pop("end_to_end_accuracy_ci")  # the plot's (and older reports')
+    every = [flag for t in traces for flag in evaluate.calls_valid(t.example, t.own.turns)]
+    return {
+        **e2e,
+        **rate("call_validity", [s.call.arguments_valid for s in scores if s.call.called]),
+        **rate("every_call_validity", every),
+        **rate("unnecessary_tool_calls",
+               [s.call.called is not None for e, s in pairs if e.expected_tool is None]),
+        **rate("missed_tool_calls", [s.call.called is None for e, s in pairs
+                                     if e.expected_tool is not None and not e.tool_optional]),
+        **rate("optional_tool_calls", [s.call.called is not None for e, s in pairs
+                                       if e.tool_optional]),
     }  # fmt: skip
 
 
@@ -196,9 +215,10 @@ def _line(r: dict) -> str:
     change = f" {100 * versus['change']:+.1f}% [{100 * versus['low']:+.1f}, " \
              f"{100 * versus['high']:+.1f}]" if versus else ""  # fmt: skip
     return (f"{r['mode']:>7} {r['rung']:<17} e2e {_share(r, 'end_to_end_accuracy')}  "
-            f"valid {_share(r, 'call_validity')}  tokens {r['mean_tokens_to_answer']:.1f} "
-            f"[{tci[0]:.1f}, {tci[1]:.1f}]{change}  unnecessary "
-            f"{_share(r, 'unnecessary_tool_calls')}  missed {_share(r, 'missed_tool_calls')}  "
+            f"valid {_share(r, 'call_validity')}  every call {_share(r, 'every_call_validity')}  "
+            f"tokens {r['mean_tokens_to_answer']:.1f} [{tci[0]:.1f}, {tci[1]:.1f}]{change}  "
+            f"unnecessary {_share(r, 'unnecessary_tool_calls')}  missed "
+            f"{_share(r, 'missed_tool_calls')}  optional {_share(r, 'optional_tool_calls')}  "
             f"forbidden {r['tool_header_forbidden']}{_skips(r)}  ({r['seconds']} s)")  # fmt: skip
 
 
@@ -210,7 +230,7 @@ def _skips(r: dict) -> str:
 
 
 def _share(r: dict, name: str) -> str:
-    if r[name] is None:
+    if r.get(name) is None:  # nothing counted (or a report from before the share existed)
         return "-"
     low, high = r["end_to_end_ci" if name == "end_to_end_accuracy" else f"{name}_ci"]
     return f"{100 * r[name]:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"

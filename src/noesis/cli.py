@@ -414,9 +414,10 @@ def _seconds(text: str) -> float:
 
 def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--split", choices=("heldout", "train", "natural"), default="heldout",
+        "--split", choices=("heldout", "train", "natural", "control"), default="heldout",
         help="corpus split, or 'natural': questions phrased as people write and say them, with "
-        "accuracy per phrasing kind (default heldout)",
+        "accuracy per phrasing kind, or 'control': the held-out kinds with questions answerable "
+        "with or without a tool and questions needing two calls (default heldout)",
     )
     parser.add_argument("--n", type=int, default=200, help="conversations (default 200)")
     parser.add_argument("--corpus-seed", type=int, default=1234, help="corpus seed (default 1234)")

@@ -116,6 +116,8 @@ class BranchGate:
         validate (None: no complete call yet, no tools declared, or not a Harmony model)."""
         if self.encoding is None or not group.tools:
             return None
+        if self.encoding.special.call not in token_ids:  # no call closed (a live branch: its
+            return None  # <|call|> ends it): nothing to parse
         from noesis.harmony.parser import FUNCTIONS, parse_completion
         from noesis.tools.builtin import validate
 

@@ -4,10 +4,17 @@ metadata an evaluator scores against, rendered to Harmony by harmony.render.
 Example `i` of a split depends only on (seed, split, i), so any slice can be made in parallel and
 re-made later. Held-out examples use only held-out entities (lexicon.split_of): names, words,
 countries, and every number and year that appears in a question.
+
+The control-plane tasks (CONTROL_MIXTURE, opt-in: the default corpus and its splits do not draw
+them) add what a controller can act on: analysis that double-checks after its plan
+(`Mixture.long_analysis`), questions answerable with or without a tool (`Example.tool_optional`),
+and questions needing two calls in a row (`Example.later_calls`). Their evaluation split is
+`control` (control_examples): held-out entities, its own seed stream.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -39,6 +46,17 @@ class Example:
     expected_answer: str | None  # a correct final answer contains it; None: not scored
     entities: tuple[str, ...] = ()  # names, words, countries and numbers drawn from the split
     voice: str = "template"  # how the question is written: the templates, or a paraphrase voice
+    # The expected call may be made or not: answering directly is right too (the conversation
+    # shows one of the two routes; shows_call says which).
+    tool_optional: bool = False
+    # Calls after the first, in order, each {"tool", "arguments", "result"}: a chain of calls
+    # whose first is expected_tool / expected_arguments / tool_result.
+    later_calls: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def shows_call(self) -> bool:
+        """Whether the conversation answers through a tool call (after the last user message)."""
+        return any(m.get("tool_calls") for m in self.messages[len(self.prompt_messages) :])
 
     @property
     def prompt_messages(self) -> list[dict[str, Any]]:
@@ -89,6 +107,9 @@ class Task:
     final: str = ""  # for tasks answered without a tool
     answer: str | None = None
     voice: str = "template"
+    # Tasks answerable either way (tool_optional): the direct route's analysis ("" for others).
+    direct_thinking: str = ""
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # an exchange the task needs
 
 
 @dataclass
@@ -158,6 +179,9 @@ class Mixture:
     # Training tool questions written by noesis.tiny.paraphrase (natural voices) instead of the
     # templates; held-out examples always use the templates, so that split stays comparable.
     paraphrased: float = 0.6
+    # Control-plane tasks (0 in the default mixture, so it draws no random number for them):
+    long_analysis: float = 0.0  # share of examples whose analysis double-checks after the plan
+    optional_call: float = 0.3  # tool_optional training examples that show the call route
 
 
 DEFAULT_MIXTURE = Mixture()
@@ -165,19 +189,31 @@ DEFAULT_MIXTURE = Mixture()
 
 def example(seed: int, split: Split, index: int, mixture: Mixture = DEFAULT_MIXTURE) -> Example:
     draw = Draw(random.Random(f"noesis-tiny/{seed}/{split}/{index}"), split)
-    rng = draw.rng
+    return _example(draw, f"{split}-{seed}-{index}", mixture)
+
+
+def _example(draw: Draw, example_id: str, mixture: Mixture) -> Example:
+    rng, split = draw.rng, draw.split
     kinds, weights = zip(*mixture.weights.items(), strict=True)
     kind = rng.choices(kinds, weights)[0]
+    if kind == TWO_CALLS:
+        return _chain_example(draw, example_id, mixture)
     task = None
     if split == "train" and kind in paraphrase.BUILDERS and rng.random() < mixture.paraphrased:
         task = _paraphrased(draw, kind)
-    task = task or GENERATORS[kind](draw)
+    task = task or _generator(kind)(draw)
+    if mixture.long_analysis and rng.random() < mixture.long_analysis:
+        _overthink(rng, task)
     declared = _declare_tools(rng, task.tool, mixture, split)
-    messages = _instructions(rng) + _history(draw, mixture) + [user(task.question)]
-    built = _answer(task, declared)
+    messages = _instructions(rng) + _history(draw, mixture) + task.earlier + [user(task.question)]
+    # Either route is right for a tool_optional task: training shows the call now and then.
+    show_call = not task.direct_thinking or (
+        split == "train" and rng.random() < mixture.optional_call
+    )
+    built = _answer(task, declared, show_call)
     messages += built.messages
     return Example(
-        id=f"{split}-{seed}-{index}",
+        id=example_id,
         split=split,
         task=task.kind,
         messages=messages,
@@ -188,7 +224,16 @@ def example(seed: int, split: Split, index: int, mixture: Mixture = DEFAULT_MIXT
         expected_answer=built.answer,
         entities=tuple(draw.entities),
         voice=task.voice,
+        tool_optional=built.optional,
     )
+
+
+def _generator(kind: str) -> Callable[[Draw], Task]:
+    generator = GENERATORS.get(kind) or CONTROL_GENERATORS.get(kind)
+    if generator is None:
+        known = ", ".join([*GENERATORS, *CONTROL_GENERATORS, TWO_CALLS])
+        raise ValueError(f"unknown task kind {kind!r} in the mixture (known: {known})")
+    return generator
 
 
 def _paraphrased(draw: Draw, kind: str) -> Task | None:
@@ -225,25 +270,53 @@ def asked_by_evaluation(question: str) -> bool:
     return _normalized(question) in _evaluation_questions()
 
 
-def generate(seed: int, split: Split, count: int, start: int = 0) -> list[Example]:
-    return [example(seed, split, i) for i in range(start, start + count)]
+def generate(
+    seed: int, split: Split, count: int, start: int = 0, mixture: Mixture = DEFAULT_MIXTURE
+) -> list[Example]:
+    return [example(seed, split, i, mixture) for i in range(start, start + count)]
 
 
-def texts(seed: int, split: Split, count: int, start: int = 0, doc_every: int = 6) -> Iterator[str]:
+CONTROL_SPLIT = "control"
+
+
+def control_examples(seed: int, count: int, start: int = 0) -> list[Example]:
+    """The `control` evaluation split: CONTROL_EVAL_MIXTURE over held-out entities, from a seed
+    stream of its own (neither the held-out split's nor the training split's)."""
+    return [control_example(seed, i) for i in range(start, start + count)]
+
+
+def control_example(seed: int, index: int) -> Example:
+    draw = Draw(random.Random(f"noesis-tiny-control/{seed}/{index}"), "heldout")
+    return _example(draw, f"{CONTROL_SPLIT}-{seed}-{index}", CONTROL_EVAL_MIXTURE)
+
+
+def texts(
+    seed: int,
+    split: Split,
+    count: int,
+    start: int = 0,
+    doc_every: int = 6,
+    mixture: Mixture = DEFAULT_MIXTURE,
+) -> Iterator[str]:
     """Harmony conversations, with a plain English document in place of every `doc_every`-th."""
-    for text, _ in training_items(seed, split, count, start, doc_every):
+    for text, _ in training_items(seed, split, count, start, doc_every, mixture):
         yield text
 
 
 def training_items(
-    seed: int, split: Split, count: int, start: int = 0, doc_every: int = 6
+    seed: int,
+    split: Split,
+    count: int,
+    start: int = 0,
+    doc_every: int = 6,
+    mixture: Mixture = DEFAULT_MIXTURE,
 ) -> Iterator[tuple[str, list[tuple[int, int]]]]:
     """What texts() yields, each with the character spans not to train on (history_spans)."""
     for i in range(start, start + count):
         if doc_every and i % doc_every == doc_every - 1:
             yield document(seed, split, i), []
         else:
-            item = example(seed, split, i)
+            item = example(seed, split, i, mixture)
             yield item.text(), item.history_spans()
 
 
@@ -259,12 +332,14 @@ def user(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
 
 
-def tool_call_message(thinking: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+def tool_call_message(
+    thinking: str, name: str, arguments: dict[str, Any], call_id: str = "call_0"
+) -> dict[str, Any]:
     call = {"name": name, "arguments": json.dumps(arguments, separators=(",", ":"))}
     return {
         "role": "assistant",
         "thinking": thinking,
-        "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
+        "tool_calls": [{"id": call_id, "type": "function", "function": call}],
     }
 
 
@@ -274,12 +349,15 @@ class _Answer:
     tool: str | None
     result: str | None
     answer: str | None
+    optional: bool = False  # the call (tool, result) may be made or not
 
 
-def _answer(task: Task, declared: list[str]) -> _Answer:
+def _answer(task: Task, declared: list[str], show_call: bool = True) -> _Answer:
     if task.tool is None:
         final = {"role": "assistant", "thinking": task.thinking, "content": task.final}
         return _Answer([final], None, None, task.answer)
+    if task.direct_thinking and (task.tool not in declared or not show_call):
+        return _direct_answer(task, declared)
     if task.tool not in declared:
         thinking, final = _missing_tool(task.tool)
         return _Answer(
@@ -299,7 +377,18 @@ def _answer(task: Task, declared: list[str]) -> _Answer:
         {"role": "tool", "tool_call_id": "call_0", "name": task.tool, "content": result},
         {"role": "assistant", "content": final_text},
     ]
-    return _Answer(messages, task.tool, result, answer)
+    return _Answer(messages, task.tool, result, answer, optional=bool(task.direct_thinking))
+
+
+def _direct_answer(task: Task, declared: list[str]) -> _Answer:
+    """A tool_optional task answered without the call: the call stays expected-if-made where its
+    tool is declared; without the tool, answering directly is the one right move."""
+    assert task.tool is not None and task.arguments is not None
+    final = {"role": "assistant", "thinking": task.direct_thinking, "content": task.final}
+    if task.tool not in declared:
+        return _Answer([final], None, None, task.answer)
+    result = execute(task.tool, json.dumps(task.arguments))
+    return _Answer([final], task.tool, result, task.answer, optional=True)
 
 
 _PURPOSES = {
@@ -817,6 +906,294 @@ def _writing(d: Draw) -> Task:
     )
 
 
+# ---------------------------------------------------------------- control plane: long analysis
+
+
+def _overthink(rng: random.Random, task: Task) -> None:
+    """Lengthen the task's analysis as reasoning models do: the plan stays first (what is asked,
+    the tool or "No tool is needed", the arguments), then one to three sentences that double-check
+    or restate it and add nothing. They restate this task's own values, from its split."""
+    count = rng.randint(1, 3)
+    if task.tool is None:
+        task.thinking = _checked(rng, task.thinking, _direct_checks(task), count)
+        return
+    assert task.arguments is not None
+    task.thinking = _checked(rng, task.thinking, _tool_checks(task.tool, task.arguments), count)
+    if task.direct_thinking:
+        task.direct_thinking = _checked(rng, task.direct_thinking, _direct_checks(task), count)
+
+
+def _checked(rng: random.Random, plan: str, checks: list[str], count: int) -> str:
+    return " ".join([plan, *rng.sample(checks, min(count, len(checks)))])
+
+
+def _tool_checks(tool: str, a: dict[str, Any]) -> list[str]:
+    """Sentences that re-read a call's arguments: true of them, and useless for the call."""
+    match tool:
+        case "calculator":
+            e = a["expression"]
+            return [f"Let me re-read the expression: {e}.", f"I should pass {e} exactly as written.",
+                    "The calculator follows the usual order of operations.",
+                    "No units are involved, so the result is a plain number."]  # fmt: skip
+        case "convert_units":
+            v, s, t = format_number(a["value"]), UNITS[a["from_unit"]], UNITS[a["to_unit"]]
+            return [f"The value is {v} {s.plural}.", f"The target unit is {t.name}.",
+                    f"Both are units of {s.dimension}, so the conversion works.",
+                    "I should not round the value before converting.",
+                    f"So the call goes from {s.name} to {t.name}."]  # fmt: skip
+        case "add_days":
+            d, n = a["date"], a["days"]
+            return [f"The date {d} is already in YYYY-MM-DD form.",
+                    f"It is {abs(n)} days {'before' if n < 0 else 'after'}, so days is {n}.",
+                    "The tool handles month ends and leap years.",
+                    f"Let me re-read the start date: {d}."]  # fmt: skip
+        case "days_between":
+            return ["Both dates are in YYYY-MM-DD form.",
+                    f"The start is {a['start']} and the end is {a['end']}.",
+                    "The start date goes first.", "The tool counts the days, so I do not need to."]  # fmt: skip
+        case "day_of_week":
+            d = a["date"]
+            return [f"The date is {d}, in YYYY-MM-DD form.", f"The year is {d[:4]}.",
+                    "The tool knows the calendar, so I do not count days myself.",
+                    f"Let me re-read the date: {d}."]  # fmt: skip
+        case "lookup_country":
+            c, f = a["country"], a["field"]
+            return [f"The country is {c}.", f"Let me re-read the name: {c}.",
+                    f"The field is {f}.", f"I want the {f}, nothing else."]  # fmt: skip
+        case "string_tool":
+            t, op = a["text"], a["operation"]
+            last = f"The letter is '{a['letter']}'." if "letter" in a else \
+                "Case matters, so I copy the text exactly."  # fmt: skip
+            return [f"The text is '{t}'.", f"Let me re-read the word: {t}.",
+                    f"The operation is {op}.", last]  # fmt: skip
+    raise ValueError(f"no checks for tool {tool!r}")
+
+
+def _direct_checks(task: Task) -> list[str]:
+    """Sentences that restate a direct answer's grounds."""
+    checks = ["Nothing needs to be computed or looked up.", "I should keep the answer short."]
+    if task.kind == "greeting":
+        return [*checks, "It is a short friendly message.", "I should answer politely."]
+    if task.kind == "writing":
+        about = [f"The topic is {task.answer}."] if task.answer else []
+        return [*checks, "I can write this from what I know.", *about]
+    return [*checks, f"Let me re-read the message: the answer is {task.answer}.",
+            "The user said it directly, so I can repeat it."]  # fmt: skip
+
+
+# ---------------------------------------------------------------- control plane: either route
+
+
+def _optional_tool(d: Draw) -> Task:
+    """A question a tool could answer, but whose answer is at hand: a single-digit sum, a weekday
+    the user gave with its date, a capital the user stated earlier in the conversation."""
+    task, direct_thinking, final, answer = d.rng.choice(_EITHER_ROUTE)(d)
+    task.kind, task.direct_thinking = OPTIONAL_TOOL, direct_thinking
+    task.final, task.answer = final, answer
+    return task
+
+
+def _small_sum(d: Draw) -> tuple[Task, str, str, str]:
+    rng = d.rng
+    a, b = d.number(1, 9), d.number(1, 9)
+    total = str(a + b)
+    question = rng.choice(("What is {a} plus {b}?", "What is {a} + {b}?", "Quick one: {a} + {b}?",
+                           "How much is {a} and {b}?")).format(a=a, b=b)  # fmt: skip
+    thinking = rng.choice((f"{a} + {b} is simple: {total}. No tool is needed.",
+                           f"A small sum: {a} + {b} = {total}. I can answer directly."))  # fmt: skip
+    final = rng.choice((f"{a} + {b} = {total}.", f"It is {total}."))
+    return _calculator_task(d, question, {"expression": f"{a}+{b}"}), thinking, final, total
+
+
+def _weekday_given(d: Draw) -> tuple[Task, str, str, str]:
+    rng = d.rng
+    date = d.date()
+    weekday = execute("day_of_week", json.dumps({"date": date}))
+    shown = _spoken(date, rng)
+    event = rng.choice(("appointment", "meeting", "flight", "party", "exam"))
+    question = rng.choice((
+        "My {e} is on {w}, {d}. What day of the week is my {e}?",
+        "My {e} is on {d}, a {w}. Which weekday is my {e}?",
+        "The {e} is on {w} {d}. On what day of the week is the {e}?",
+    )).format(e=event, w=weekday, d=shown)  # fmt: skip
+    thinking = rng.choice((f"The user already said {date} is a {weekday}. No tool is needed.",
+                           f"The weekday is in the message: {weekday}. Answer directly."))  # fmt: skip
+    final = f"Your {event} is on a {weekday}."
+    return _day_of_week_task(d, question, {"date": date}), thinking, final, weekday
+
+
+def _stated_capital(d: Draw) -> tuple[Task, str, str, str]:
+    rng = d.rng
+    country = d.country()
+    name, capital = country.name, country.capital
+    said = rng.choice((f"I read that the capital of {name} is {capital}.",
+                       f"Fun fact: {capital} is the capital of {name}."))  # fmt: skip
+    question = rng.choice((f"What is the capital of {name} again?",
+                           f"Remind me, what is the capital of {name}?"))  # fmt: skip
+    thinking = f"The user told me earlier that the capital of {name} is {capital}. No tool is needed."
+    task = _lookup_country_task(d, question, {"country": name, "field": "capital"})
+    reply = rng.choice(("Thanks for sharing!", "Good to know."))
+    task.earlier = [user(said), {"role": "assistant", "content": reply}]
+    return task, thinking, f"The capital of {name} is {capital}.", capital
+
+
+_EITHER_ROUTE = (_small_sum, _weekday_given, _stated_capital)
+
+
+# ---------------------------------------------------------------- control plane: two calls
+
+
+@dataclass
+class _Step:
+    thinking: str
+    tool: str
+    arguments: dict[str, Any]
+    result: str = ""
+
+
+@dataclass
+class _Chain:
+    question: str
+    steps: list[_Step]
+    finish: Callable[[list[str]], tuple[str, str]]  # results -> (final answer, expected answer)
+
+
+def _chain_example(draw: Draw, example_id: str, mixture: Mixture) -> Example:
+    """A question needing two calls in a row (the second's arguments come from the first's
+    result): call, result, call, result, final. Both tools declared, unless one is missing (the
+    mixture's missing_tool share), which is refused like a single missing tool."""
+    rng = draw.rng
+    chain = rng.choice(_CHAINS)(draw)
+    first = chain.steps[0]
+    if mixture.long_analysis and rng.random() < mixture.long_analysis:
+        first.thinking = _checked(rng, first.thinking, _tool_checks(first.tool, first.arguments),
+                                  rng.randint(1, 3))  # fmt: skip
+    declared, missing = _declare_chain(rng, [step.tool for step in chain.steps], mixture, draw.split)
+    messages = _instructions(rng) + _history(draw, mixture) + [user(chain.question)]
+    tool = arguments = result = None
+    later: tuple[dict[str, Any], ...] = ()
+    if missing is not None:
+        thinking, final = _missing_tool(missing)
+        messages.append({"role": "assistant", "thinking": thinking, "content": final})
+        answer: str | None = CANNOT
+    else:
+        for index, step in enumerate(chain.steps):
+            call_id = f"call_{index}"
+            messages += [tool_call_message(step.thinking, step.tool, step.arguments, call_id),
+                         {"role": "tool", "tool_call_id": call_id, "name": step.tool,
+                          "content": step.result}]  # fmt: skip
+        final, answer = chain.finish([step.result for step in chain.steps])
+        messages.append({"role": "assistant", "content": final})
+        tool, arguments, result = first.tool, first.arguments, first.result
+        later = tuple({"tool": s.tool, "arguments": s.arguments, "result": s.result}
+                      for s in chain.steps[1:])  # fmt: skip
+    return Example(
+        id=example_id, split=draw.split, task=TWO_CALLS, messages=messages,
+        tools=schemas(declared), expected_tool=tool, expected_arguments=arguments,
+        tool_result=result, expected_answer=answer, entities=tuple(draw.entities),
+        later_calls=later,
+    )  # fmt: skip
+
+
+def _declare_chain(
+    rng: random.Random, needed: list[str], mixture: Mixture, split: Split
+) -> tuple[list[str], str | None]:
+    """(declared tools, the needed tool left out or None)."""
+    if rng.random() < mixture.no_tools:
+        return [], needed[0]
+    others = [name for name in TOOLS if name not in needed]
+    most = mixture.max_declared_train if split == "train" else mixture.max_declared
+    declared = needed + rng.sample(others, rng.randint(0, max(0, most - len(needed))))
+    missing = rng.choice(needed) if rng.random() < mixture.missing_tool else None
+    declared = [name for name in declared if name != missing]
+    rng.shuffle(declared)
+    return declared, missing
+
+
+def _run(step: _Step) -> _Step:
+    step.result = execute(step.tool, json.dumps(step.arguments))
+    assert not step.result.startswith(ERROR_PREFIX), (step, step.result)
+    return step
+
+
+def _weekday_after(d: Draw) -> _Chain:
+    rng = d.rng
+    start, days = d.date(), d.number(1, 500)
+    before = rng.random() < 0.3
+    signed, word = (-days, "before") if before else (days, "after")
+    question = rng.choice((
+        "What day of the week is {n} days {w} {d}?", "Which weekday is {n} days {w} {d}?",
+        "What weekday falls {n} days {w} {d}?",
+    )).format(n=days, w=word, d=_spoken(start, rng))  # fmt: skip
+    first = _run(_Step(f"First add {signed} days to {start} with add_days, then find the weekday "
+                       "of that date with day_of_week.", "add_days",
+                       {"date": start, "days": signed}))  # fmt: skip
+    second = _run(_Step(f"add_days gave {first.result}. Now find its weekday with day_of_week.",
+                        "day_of_week", {"date": first.result}))  # fmt: skip
+
+    def finish(results: list[str]) -> tuple[str, str]:
+        return f"{days} days {word} {start} is {results[0]}, a {results[1]}.", results[1]
+
+    return _Chain(question, [first, second], finish)
+
+
+def _capital_letters(d: Draw) -> _Chain:
+    rng = d.rng
+    name = d.country().name
+    operation = rng.choice(("length", "reverse", "uppercase"))
+    question = rng.choice(_CAPITAL_TEXT_ASK[operation]).format(c=name)
+    first = _run(_Step(f"First look up the capital of {name} with lookup_country, then use "
+                       f"string_tool with {operation} on it.", "lookup_country",
+                       {"country": name, "field": "capital"}))  # fmt: skip
+    capital = first.result
+    second = _run(_Step(f"The capital is {capital}. Now use string_tool with {operation} on "
+                        f"'{capital}'.", "string_tool",
+                        {"operation": operation, "text": capital}))  # fmt: skip
+
+    def finish(results: list[str]) -> tuple[str, str]:
+        r = results[1]
+        final = {"length": f"The capital of {name} is {capital}, which has {r} letters.",
+                 "reverse": f"The capital of {name} is {capital}; backwards it is '{r}'.",
+                 "uppercase": f"The capital of {name} is {capital}; in uppercase it is '{r}'."}
+        return final[operation], r
+
+    return _Chain(question, [first, second], finish)
+
+
+_CAPITAL_TEXT_ASK = {
+    "length": ("How many letters are in the capital of {c}?",
+               "How long is the name of the capital of {c}?"),
+    "reverse": ("Spell the capital of {c} backwards.",
+                "What is the capital of {c} written backwards?"),
+    "uppercase": ("Write the capital of {c} in uppercase.",
+                  "What is the capital of {c} in capital letters?"),
+}  # fmt: skip
+
+
+def _span_in_units(d: Draw) -> _Chain:
+    rng = d.rng
+    start, end = sorted((d.date(), d.date()))
+    unit, operator = rng.choice((("weeks", "/7"), ("hours", "*24")))
+    question = rng.choice(("How many {u} are there between {a} and {b}?",
+                           "How many {u} from {a} to {b}?")).format(
+        u=unit, a=_spoken(start, rng), b=_spoken(end, rng))  # fmt: skip
+    first = _run(_Step(f"First count the days from {start} to {end} with days_between, then "
+                       f"convert them to {unit} with the calculator.", "days_between",
+                       {"start": start, "end": end}))  # fmt: skip
+    expression = f"{first.result}{operator}"
+    second = _run(_Step(f"There are {first.result} days. Now compute {expression} with the "
+                        "calculator.", "calculator", {"expression": expression}))  # fmt: skip
+
+    def finish(results: list[str]) -> tuple[str, str]:
+        return (f"There are {results[0]} days from {start} to {end}, which is {results[1]} "
+                f"{unit}.", results[1])  # fmt: skip
+
+    return _Chain(question, [first, second], finish)
+
+
+_CHAINS = (_weekday_after, _capital_letters, _span_in_units)
+
+
 GENERATORS: dict[str, Callable[[Draw], Task]] = {
     "calculator": _calculator,
     "convert_units": _convert_units,
@@ -839,3 +1216,30 @@ TOOL_TASKS: dict[str, Callable[[Draw, str, dict[str, Any]], Task]] = {
     "lookup_country": _lookup_country_task,
     "string_tool": _string_tool_task,
 }
+
+# The control-plane task kinds: in CONTROL_MIXTURE and the control split, never in the default.
+OPTIONAL_TOOL = "optional_tool"  # answerable with or without its tool (Example.tool_optional)
+TWO_CALLS = "two_calls"  # two calls in a row (Example.later_calls)
+CONTROL_GENERATORS: dict[str, Callable[[Draw], Task]] = {OPTIONAL_TOOL: _optional_tool}
+
+# Training: the default mixture, 15% of its conversations of the two new kinds, and a quarter of
+# all analyses lengthened. Evaluation (control split): about a third of the new kinds.
+CONTROL_MIXTURE = Mixture(
+    weights={**DEFAULT_MIXTURE.weights, OPTIONAL_TOOL: 7, TWO_CALLS: 10}, long_analysis=0.25
+)
+CONTROL_EVAL_MIXTURE = Mixture(
+    weights={**DEFAULT_MIXTURE.weights, OPTIONAL_TOOL: 24, TWO_CALLS: 30}, long_analysis=0.25
+)
+MIXTURES: dict[str, Mixture] = {"default": DEFAULT_MIXTURE, "control": CONTROL_MIXTURE}
+
+
+def mixture_named(name: str, long_analysis: float | None = None) -> Mixture:
+    """A mixture by name (MIXTURES), with its long_analysis share replaced when given."""
+    if name not in MIXTURES:
+        raise ValueError(f"unknown mixture {name!r} (available: {', '.join(MIXTURES)})")
+    mixture = MIXTURES[name]
+    if long_analysis is None:
+        return mixture
+    if not 0.0 <= long_analysis <= 1.0:
+        raise ValueError(f"long_analysis must be in [0, 1], got {long_analysis}")
+    return dataclasses.replace(mixture, long_analysis=long_analysis)

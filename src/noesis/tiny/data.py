@@ -2,7 +2,9 @@
 the batch sampler that training reads them with.
 
 Run as `python -m noesis.tiny.data --out DIR`. Texts are made and encoded in parallel chunks; the
-result depends only on the configuration, never on the number of workers.
+result depends only on the configuration, never on the number of workers. `--mixture control`
+draws the training split from corpus.CONTROL_MIXTURE (the control-plane tasks mixed in); the
+held-out stream stays the default mixture's, so validation losses compare across builds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class DataConfig:
     vocab_size: int = tokenizer.VOCAB_SIZE
     chunk_items: int = 5_000
     tokenizer_from: str | None = None  # a directory with tokenizer.json to reuse instead of fitting
+    mixture: str = "default"  # the training split's corpus.MIXTURES entry
+    long_analysis: float | None = None  # that mixture's long_analysis share, replaced (None: kept)
+
+    def __post_init__(self) -> None:
+        corpus.mixture_named(self.mixture, self.long_analysis)  # a bad name or share fails here
 
 
 def build(out: Path, config: DataConfig, workers: int = 0) -> dict[str, object]:
@@ -45,7 +52,8 @@ def build(out: Path, config: DataConfig, workers: int = 0) -> dict[str, object]:
         tok = tokenizer.load(config.tokenizer_from)
     else:
         items = config.tokenizer_items
-        texts = corpus.texts(config.seed, "train", items, doc_every=config.doc_every)
+        texts = corpus.texts(config.seed, "train", items, doc_every=config.doc_every,
+                             mixture=corpus.mixture_named(config.mixture, config.long_analysis))
         tok = tokenizer.train(texts, config.vocab_size)
     tokenizer.save(tok, out / TOKENIZER_DIR)
     meta: dict[str, object] = {"config": asdict(config), "tokenizer_seconds": time.time() - began}
@@ -71,7 +79,9 @@ def encode_split(
         (start, min(config.chunk_items, count - start))
         for start in range(0, count, config.chunk_items)
     ]
-    jobs = [(tokenizer_json, config.seed, split, start, n, config.doc_every) for start, n in chunks]
+    mixture = (config.mixture, config.long_analysis) if split == "train" else ("default", None)
+    jobs = [(tokenizer_json, config.seed, split, start, n, config.doc_every, mixture)
+            for start, n in chunks]  # fmt: skip
     workers = workers or os.cpu_count() or 1
     if workers == 1 or len(jobs) == 1:
         parts = [_encode_chunk(job) for job in jobs]
@@ -86,12 +96,13 @@ def encode_split(
 
 
 def _encode_chunk(
-    job: tuple[str, int, Split, int, int, int],
+    job: tuple[str, int, Split, int, int, int, tuple[str, float | None]],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    tokenizer_json, seed, split, start, count, doc_every = job
+    tokenizer_json, seed, split, start, count, doc_every, (name, long_analysis) = job
     tok = Tokenizer.from_str(tokenizer_json)
     separator = tok.token_to_id(ENDOFTEXT)
-    items = list(corpus.training_items(seed, split, count, start=start, doc_every=doc_every))
+    mixture = corpus.mixture_named(name, long_analysis)
+    items = list(corpus.training_items(seed, split, count, start, doc_every, mixture))
     encodings = tok.encode_batch([text for text, _ in items], add_special_tokens=False)
     tokens, masks = [], []
     for encoding, (_, spans) in zip(encodings, items, strict=True):
@@ -153,15 +164,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer-items", type=int, default=DataConfig.tokenizer_items)
     parser.add_argument("--workers", type=int, default=0, help="0: one per CPU")
     parser.add_argument(
+        "--mixture", default=DataConfig.mixture, choices=tuple(corpus.MIXTURES),
+        help="training-split task mixture: default, or control (the control-plane tasks mixed in)",
+    )
+    parser.add_argument(
+        "--long-analysis", type=float, default=None, metavar="SHARE",
+        help="replace the mixture's share of conversations with lengthened analysis (0..1)",
+    )
+    parser.add_argument(
         "--tokenizer", default=None, help="reuse the tokenizer.json in this directory (no fitting)"
     )
     args = parser.parse_args(argv)
+    if args.long_analysis is not None and not 0.0 <= args.long_analysis <= 1.0:
+        parser.error(f"--long-analysis must be between 0 and 1, got {args.long_analysis}")
     config = DataConfig(
         seed=args.seed,
         train_items=args.train_items,
         heldout_items=args.heldout_items,
         tokenizer_items=min(args.tokenizer_items, args.train_items),
         tokenizer_from=args.tokenizer,
+        mixture=args.mixture,
+        long_analysis=args.long_analysis,
     )
     meta = build(args.out, config, args.workers)
     print(json.dumps(meta, indent=2), flush=True)

@@ -6,6 +6,9 @@ AssistantTurn, or a noesis.harmony ParsedTurn (`parse_text` reads another runtim
 A harness makes two generations per example: one from the example's prompt messages, scored with
 `score_call` (and with `final_correct` when no call is expected), and one from
 `example.messages_before_final`, where the tool result is supplied, scored with `final_correct`.
+An example whose call is optional (`Example.tool_optional`) is answered right either way; one
+with `later_calls` is a chain, scored end to end on its final and on every call's validity
+(`calls_valid`).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def score_call(example: Example, turn: Turn) -> CallScore:
     """Score the model's first turn for the example's prompt."""
     found = first_call(turn)
     if found is None:
-        selected = example.expected_tool is None
+        selected = example.expected_tool is None or example.tool_optional
         return CallScore(None, selected, False, False, False, turn.final is not None)
     name, arguments_text = found
     arguments = _json_object(arguments_text)
@@ -74,6 +77,36 @@ def final_correct(example: Example, turn: Turn | None) -> bool | None:
         return None
     final = turn.final if turn is not None else None
     return final is not None and example.expected_answer.casefold() in final.casefold()
+
+
+def calls_valid(example: Example, turns: Sequence[Turn]) -> list[bool]:
+    """Per tool call the turns made, in order: do its arguments parse as a JSON object that
+    validates against the called tool's declared schema (first try: each call as written)?"""
+    flags = []
+    for turn in turns:
+        for call in turn.tool_calls:
+            arguments = _json_object(call.arguments)
+            flags.append(arguments is not None and _valid_for_declared(example, call.name, arguments))
+    return flags
+
+
+def route_rates(examples: Sequence[Example], scores: Sequence[ExampleScore]) -> dict[str, Any]:
+    """Where the first turn went against where it should: calls where none was expected
+    (unnecessary), none where one was required (missed), and calls where either was right
+    (optional_tool_calls: not an error either way). Each a share with its count."""
+    pairs = list(zip(examples, scores, strict=True))
+    called = {
+        "unnecessary_tool_calls": [s.call.called is not None for e, s in pairs
+                                   if e.expected_tool is None],
+        "missed_tool_calls": [s.call.called is None for e, s in pairs
+                              if e.expected_tool is not None and not e.tool_optional],
+        "optional_tool_calls": [s.call.called is not None for e, s in pairs if e.tool_optional],
+    }  # fmt: skip
+    rates: dict[str, Any] = {}
+    for name, flags in called.items():
+        rates[name] = _rate(flags)
+        rates[f"{name}_n"] = len(flags)
+    return rates
 
 
 def _json_object(text: str) -> dict[str, Any] | None:

@@ -1,16 +1,18 @@
 """Tool-use eval harness behind `noesis eval tools`: held-out noesis-tiny conversations through the
 one turn loop (noesis.session.Session) over an LLM it is given, the model's tool calls executed for
 real by the built-in tools, scores from noesis.tiny.evaluate. The `natural` split
-(noesis.tiny.natural) runs the same way, with rates per phrasing kind as well.
+(noesis.tiny.natural) runs the same way, with rates per phrasing kind as well; so does the
+`control` split (corpus.control_examples: questions answerable with or without a tool, questions
+needing two calls in a row, among the held-out kinds).
 
 Each example is two Session runs, moved in lockstep so every generation is batched:
   1. own:      the question -> the model's first turn (a tool call or a direct answer), scored by
                `score_call`; a direct answer is also scored by `final_correct`. Its calls run for
                real and their results go back, up to `max_tool_steps` more generations; the
                last turn is scored end to end.
-  2. supplied: where a tool is expected, the conversation up to the final answer, with the corpus's
-               correct call and the tool's real result supplied -> the final answer (one
-               generation, batched with the own runs' second).
+  2. supplied: where the conversation answers through calls, the conversation up to the final
+               answer, with the corpus's correct calls and the tools' real results supplied ->
+               the final answer (one generation, batched with the own runs' second).
 Greedy always; sampled too when sampling parameters are given. With a draft model, the draft's
 greedy agreement with the target is measured on the target's greedy first turns and finals.
 """
@@ -62,7 +64,8 @@ DEFINITIONS = {
     "call_arguments_correct": "share of first-turn tool calls that are valid and give the "
     "expected tool result when executed",
     "final_answer_accuracy": "share of scored examples whose final answer contains the expected "
-    "answer, with the correct tool result supplied (direct answers: from the first turn)",
+    "answer, with the correct tool results supplied (direct answers: from the first turn; where a "
+    "call is optional, after the model's own call if it made one)",
     "end_to_end_accuracy": "the same, with the model's own call executed for real and its result "
     "fed back",
     "mean_tokens_to_answer": "generated tokens from the question to the end of the model's own "
@@ -71,14 +74,19 @@ DEFINITIONS = {
     "(emit-vs-tool; controller runs only)",
     "tool_header_forced": "share of generations whose tool header the controller forced",
     "unnecessary_tool_calls": "share of examples expecting no tool whose first turn called one",
-    "missed_tool_calls": "share of examples expecting a tool whose first turn called none",
+    "missed_tool_calls": "share of examples requiring a tool whose first turn called none",
+    "optional_tool_calls": "share of examples answerable with or without a tool (either is "
+    "right) whose first turn called it",
+    "every_call_validity": "share of all tool calls of the own runs (first and later turns: the "
+    "second call of a chain too) whose arguments parse and validate against the declared schema",
     "draft_greedy_agreement": "over the target's greedy continuations t (first turns, and finals "
     "with the result supplied), the share of positions i where the draft's greedy token given "
     "prompt + t[:i] equals t[i]: the per-token acceptance of greedy speculative decoding",
 }
 
 
-SPLITS = ("heldout", "train", natural.SPLIT)  # natural: noesis.tiny.natural, not the corpus
+# natural: noesis.tiny.natural; control: corpus.control_examples (held-out entities)
+SPLITS = ("heldout", "train", natural.SPLIT, corpus.CONTROL_SPLIT)
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,8 @@ def eval_examples(config: EvalConfig) -> list[Example]:
     """The conversations of the configured split: the corpus's, or the natural-phrasing set."""
     if config.split == natural.SPLIT:
         return list(natural.generate(config.corpus_seed, config.n))
+    if config.split == corpus.CONTROL_SPLIT:
+        return corpus.control_examples(config.corpus_seed, config.n)
     if config.split not in SPLITS:
         raise InvalidRequest(f"unknown split {config.split!r} (available: {', '.join(SPLITS)})")
     return corpus.generate(config.corpus_seed, config.split, config.n)
@@ -212,7 +222,10 @@ def run(
     scores = [_score(trace) for trace in traces]
     summary = evaluate.summarize(scores)
     summary["end_to_end_accuracy"] = _rate([score.end_to_end for score in scores])
-    summary.update(_tool_call_errors(scores))
+    summary.update(evaluate.route_rates(examples, scores))
+    summary["every_call_validity"] = _rate(
+        [flag for t in traces for flag in evaluate.calls_valid(t.example, t.own.turns)]
+    )
     if policy is not None:
         summary.update(_control_summary(traces))
     if any(isinstance(e, natural.NaturalExample) for e in examples):
@@ -244,7 +257,7 @@ def _start(
 
     own = session.start(example.prompt_messages, tools, params=params(_own_step), **options)
     supplied = None
-    if example.expected_tool is not None:
+    if example.shows_call:
         supplied = session.start(
             example.messages_before_final, tools, max_tool_rounds=0,
             params=params(lambda index: "supplied0"), **options,
@@ -268,6 +281,8 @@ def _builtin_registry(example: Example):
 def _score(trace: Trace) -> evaluate.ExampleScore:
     example, first = trace.example, trace.own.turns[0]
     final_turn = first if trace.supplied is None else trace.supplied.turns[0]
+    if trace.supplied is None and example.tool_optional:
+        final_turn = trace.own.turns[-1]  # after its call, when it chose to make one
     return evaluate.ExampleScore(
         example.id,
         example.task,
@@ -277,16 +292,6 @@ def _score(trace: Trace) -> evaluate.ExampleScore:
         trace.own.usage.completion_tokens,
         evaluate.final_correct(example, trace.own.turns[-1]),
     )
-
-
-def _tool_call_errors(scores: list[evaluate.ExampleScore]) -> dict[str, float | None]:
-    """First-turn calls where none was expected, and none where one was."""
-    expected = [s for s in scores if s.expected_tool is not None]
-    direct = [s for s in scores if s.expected_tool is None]
-    return {
-        "unnecessary_tool_calls": _rate([s.call.called is not None for s in direct]),
-        "missed_tool_calls": _rate([s.call.called is None for s in expected]),
-    }
 
 
 def _control_summary(traces: list[Trace]) -> dict[str, float | None]:
@@ -386,6 +391,10 @@ def format_report(report: dict[str, Any], header: str) -> str:
         ("call arguments correct", "call_arguments_correct", _percent),
         ("final answer (result supplied)", "final_answer_accuracy", _percent),
         ("end to end (own calls run)", "end_to_end_accuracy", _percent),
+        ("every call: schema-valid", "every_call_validity", _percent),
+        ("unnecessary tool calls", "unnecessary_tool_calls", _percent),
+        ("missed tool calls", "missed_tool_calls", _percent),
+        ("optional tool calls (no error)", "optional_tool_calls", _percent),
         ("mean tokens to answer", "mean_tokens_to_answer", lambda v: f"{v:.1f}"),
         ("seconds", "seconds", lambda v: f"{v:.1f}"),
     ]
