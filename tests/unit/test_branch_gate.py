@@ -224,7 +224,7 @@ def test_nothing_to_gate_without_a_policy_and_metrics_are_required(checkpoints):
 
 
 def test_best_of_never_returns_a_pruned_branch():
-    from noesis.server.app import best_of
+    from noesis.engine.outputs import best_of
 
     def out(rid, logprob, reason):
         return RequestOutput(rid, None, [1], "", [5], reason, [{5: logprob}], True)
@@ -304,3 +304,29 @@ def test_the_contradiction_sidecar_scores_the_engines_branches(checkpoints):
     last = policy.shown[-1]
     assert len(policy.shown) >= 2 and set(last) == set(ids)
     assert all(0.0 <= b.contradiction <= 1.0 for b in last.values())
+
+
+def test_branched_turns_pick_the_likeliest_unpruned_branch():
+    """The ladder's +gate rung: each sampled turn runs as best_of gated branches, the turn is
+    the most likely branch the gate left; a greedy turn runs once."""
+    from noesis.control.branched import BranchedTurns
+    from noesis.session import TurnRequest
+    from noesis.tiny import corpus
+
+    policy = Named()  # prunes all it may: 1 of 4 at the first check
+    llm = LLM(str(BUNDLED), device="cpu", dtype="float32", progress=False, control=policy)
+    example = corpus.generate(1234, "heldout", 1)[0]
+    sampled = SamplingParams(temperature=0.7, seed=5, max_tokens=120)
+    request = TurnRequest(example.prompt_messages, example.tools, "auto", False,
+                          {"params": sampled})
+    generator = BranchedTurns(llm, best_of=4)
+    (turn,) = generator.generate_turns([request])
+    assert generator.pruned == 1 and generator.decoded > turn.completion_tokens
+    assert turn.finish_reason in ("tool_calls", "stop", "length")
+    greedy = TurnRequest(example.prompt_messages, example.tools, "auto", False,
+                         {"params": dataclasses.replace(sampled, temperature=0.0)})
+    before = generator.decoded
+    (once,) = generator.generate_turns([greedy])
+    assert generator.decoded - before == once.completion_tokens  # one branch, not four
+    with pytest.raises(ValueError, match="control"):
+        BranchedTurns(SimpleNamespace(control=None))  # an LLM without a policy

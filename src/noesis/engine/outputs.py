@@ -76,3 +76,16 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         filter_reason=last.filter_reason,
         prompt_logprobs=deltas[0].prompt_logprobs,
     )
+
+
+def best_of(outputs: list[RequestOutput], choices: int, n: int) -> list[RequestOutput]:
+    """Of each prompt's `choices` generations (consecutive in `outputs`), the n with the
+    highest cumulative logprob, best first; branches the binding gate pruned never count."""
+    kept = []
+    for start in range(0, len(outputs), choices):
+        # The gate prunes at most choices - n of them: n always remain
+        group = [out for out in outputs[start : start + choices] if out.finish_reason != "pruned"]
+        group.sort(key=lambda out: -sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs,
+                                                               strict=True)))
+        kept += group[:n]
+    return kept

@@ -29,7 +29,7 @@ from noesis.engine.async_engine import AsyncEngine
 from noesis.engine.engine import Engine
 from noesis.engine.loop import setup_logging, warm_up
 from noesis.engine.messages import EngineDead
-from noesis.engine.outputs import RequestOutput
+from noesis.engine.outputs import best_of
 from noesis.engine.transport import EngineProcess, EngineThread
 from noesis.errors import PromptTooLong
 from noesis.sampling.params import SamplingParams
@@ -316,19 +316,6 @@ class ServerState:
         ids = [out.request_id for out in outputs]
         response["noesis"] = {"request_ids": ids}
         return JSONResponse(response, headers={TRACE_IDS_HEADER: ",".join(ids)})
-
-
-def best_of(outputs: list[RequestOutput], choices: int, n: int) -> list[RequestOutput]:
-    """Of each prompt's `choices` generations (consecutive in `outputs`), the n with the
-    highest cumulative logprob, best first; branches the binding gate pruned never count."""
-    kept = []
-    for start in range(0, len(outputs), choices):
-        # The gate prunes at most choices - n of them: n always remain
-        group = [out for out in outputs[start : start + choices] if out.finish_reason != "pruned"]
-        group.sort(key=lambda out: -sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs,
-                                                               strict=True)))
-        kept += group[:n]
-    return kept
 
 
 async def _unless_disconnected(request: Request, work):
