@@ -8,7 +8,8 @@
 # Writes OUT_DIR/data (corpus tokens, tokenizer), OUT_DIR/noesis-tiny, OUT_DIR/noesis-tiny-draft,
 # OUT_DIR/noesis-tiny-ternary and OUT_DIR/{data,target,draft,ternary}.log. Knobs (environment):
 # PYTHON, TRAIN_ITEMS, TARGET_MINUTES, DRAFT_MINUTES, TERNARY_MINUTES (0: no ternary model), SEED,
-# COMPILE (1 to use torch.compile), TRAIN_ARGS (more train options for all), TOKENIZER (reuse the
+# COMPILE (1 to use torch.compile), TRAIN_ARGS (more train options for all), DATA_ARGS (more
+# options for the data build, e.g. "--mixture control"), TOKENIZER (reuse the
 # tokenizer.json in this directory instead of fitting one), INIT (a directory holding float
 # noesis-tiny and noesis-tiny-draft checkpoints to fine-tune from; the ternary model starts from
 # the float noesis-tiny), TARGET_LR, DRAFT_LR, TERNARY_LR.
@@ -22,7 +23,7 @@ began=$SECONDS
 mkdir -p "$out"
 
 "$python" -m noesis.tiny.data --out "$out/data" --seed "$seed" \
-    --train-items "${TRAIN_ITEMS:-600000}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} 2>&1 |
+    --train-items "${TRAIN_ITEMS:-600000}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} ${DATA_ARGS:-} 2>&1 |
     tee "$out/data.log"
 
 # Whatever the data build took, leave 45 s for the final evaluation and export.
