@@ -19,8 +19,9 @@ lever's bound). Per run, pooled over examples x seeds, each share with its Wilso
 end-to-end accuracy, first-try schema validity of the first turns' calls and of every call (a
 chain's second too), unnecessary calls (of the examples expecting none), missed calls (of those
 requiring one) and optional calls (of those answerable either way: not an error); tokens to
-answer (mean, normal interval) and its change against the unconstrained baseline of the same mode (paired bootstrap over examples), and how often the
-controller forbade or forced the tool header. The JSON and the Quality@Tokens PNG
+answer (mean, normal interval) and its change against the unconstrained baseline of the same
+mode (paired bootstrap over examples), and how often the controller forbade or forced the tool
+header. The JSON and the Quality@Tokens PNG
 (benchmarks/quality_at_tokens.py, --png) are rewritten after every run, so a cut-off run keeps
 what it finished.
 """

@@ -3,6 +3,7 @@ where nothing counts), the printed line, and the Quality@Tokens PNG written with
 package. Synthetic runs: no model."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,46 @@ def test_every_rung_of_the_ladder_has_a_colour_in_the_plot(ladder):
     from quality_at_tokens import COLOURS, RUNGS
 
     assert list(ladder.RUNGS) == RUNGS and len(COLOURS) == len(RUNGS)
+
+
+def test_shares_count_optional_calls_apart_and_every_call(ladder):
+    """Synthetic traces over control-split examples: an optional call is no error, a chain's
+    invalid second call shows in every-call validity, not in first-try validity."""
+    from types import SimpleNamespace
+
+    from noesis.tiny import corpus, evaluate
+
+    examples = corpus.control_examples(1234, 200)
+    optional = next(e for e in examples if e.tool_optional)
+    chain = next(e for e in examples if e.later_calls)
+    direct = next(e for e in examples if e.expected_tool is None and e.tools)
+
+    def call(name, arguments):
+        return SimpleNamespace(name=name, arguments=arguments)
+
+    first = call(chain.expected_tool, json.dumps(chain.expected_arguments))
+    turns = {
+        optional.id: [SimpleNamespace(tool_calls=[call(optional.expected_tool, "{}")], final=None)],
+        chain.id: [SimpleNamespace(tool_calls=[first], final=None),
+                   SimpleNamespace(tool_calls=[call(chain.later_calls[0]["tool"], "{")],
+                                   final=None)],
+        direct.id: [SimpleNamespace(tool_calls=[], final="hi")],
+    }  # fmt: skip
+    traces, scores = [], []
+    for example in (optional, chain, direct):
+        own = SimpleNamespace(turns=turns[example.id])
+        traces.append(SimpleNamespace(example=example, own=own))
+        score = evaluate.score_call(example, own.turns[0])
+        scores.append(evaluate.ExampleScore(example.id, example.task, example.expected_tool,
+                                            score, None, 10, True))  # fmt: skip
+    shares = ladder.shares(traces, scores)
+    assert shares["optional_tool_calls"] == 1.0 and shares["optional_tool_calls_n"] == 1
+    assert shares["missed_tool_calls"] == 0.0 and shares["missed_tool_calls_n"] == 1
+    assert shares["unnecessary_tool_calls"] == 0.0 and shares["unnecessary_tool_calls_n"] == 1
+    assert shares["call_validity"] == pytest.approx(1 / 2)  # {} lacks the optional's arguments
+    assert shares["every_call_validity"] == pytest.approx(1 / 3)
+    assert shares["end_to_end_accuracy"] == 1.0 and "end_to_end_ci" in shares
+    line = ladder._line({**shares, "rung": "+exit", "mode": "greedy", "tokens_ci": [1.0, 2.0],
+                         "mean_tokens_to_answer": 1.5, "tool_header_forbidden": None,
+                         "seconds": 1.0})  # fmt: skip
+    assert "optional 100.0% [" in line and "every call 33.3% [" in line

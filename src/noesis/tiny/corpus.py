@@ -932,7 +932,8 @@ def _tool_checks(tool: str, a: dict[str, Any]) -> list[str]:
     match tool:
         case "calculator":
             e = a["expression"]
-            return [f"Let me re-read the expression: {e}.", f"I should pass {e} exactly as written.",
+            return [f"Let me re-read the expression: {e}.",
+                    f"I should pass {e} exactly as written.",
                     "The calculator follows the usual order of operations.",
                     "No units are involved, so the result is a plain number."]  # fmt: skip
         case "convert_units":
@@ -950,7 +951,8 @@ def _tool_checks(tool: str, a: dict[str, Any]) -> list[str]:
         case "days_between":
             return ["Both dates are in YYYY-MM-DD form.",
                     f"The start is {a['start']} and the end is {a['end']}.",
-                    "The start date goes first.", "The tool counts the days, so I do not need to."]  # fmt: skip
+                    "The start date goes first.",
+                    "The tool counts the days, so I do not need to."]  # fmt: skip
         case "day_of_week":
             d = a["date"]
             return [f"The date is {d}, in YYYY-MM-DD form.", f"The year is {d[:4]}.",
@@ -999,8 +1001,12 @@ def _small_sum(d: Draw) -> tuple[Task, str, str, str]:
     total = str(a + b)
     question = rng.choice(("What is {a} plus {b}?", "What is {a} + {b}?", "Quick one: {a} + {b}?",
                            "How much is {a} and {b}?")).format(a=a, b=b)  # fmt: skip
-    thinking = rng.choice((f"{a} + {b} is simple: {total}. No tool is needed.",
-                           f"A small sum: {a} + {b} = {total}. I can answer directly."))  # fmt: skip
+    thinking = rng.choice(
+        (
+            f"{a} + {b} is simple: {total}. No tool is needed.",
+            f"A small sum: {a} + {b} = {total}. I can answer directly.",
+        )
+    )
     final = rng.choice((f"{a} + {b} = {total}.", f"It is {total}."))
     return _calculator_task(d, question, {"expression": f"{a}+{b}"}), thinking, final, total
 
@@ -1016,8 +1022,12 @@ def _weekday_given(d: Draw) -> tuple[Task, str, str, str]:
         "My {e} is on {d}, a {w}. Which weekday is my {e}?",
         "The {e} is on {w} {d}. On what day of the week is the {e}?",
     )).format(e=event, w=weekday, d=shown)  # fmt: skip
-    thinking = rng.choice((f"The user already said {date} is a {weekday}. No tool is needed.",
-                           f"The weekday is in the message: {weekday}. Answer directly."))  # fmt: skip
+    thinking = rng.choice(
+        (
+            f"The user already said {date} is a {weekday}. No tool is needed.",
+            f"The weekday is in the message: {weekday}. Answer directly.",
+        )
+    )
     final = f"Your {event} is on a {weekday}."
     return _day_of_week_task(d, question, {"date": date}), thinking, final, weekday
 
@@ -1030,7 +1040,8 @@ def _stated_capital(d: Draw) -> tuple[Task, str, str, str]:
                        f"Fun fact: {capital} is the capital of {name}."))  # fmt: skip
     question = rng.choice((f"What is the capital of {name} again?",
                            f"Remind me, what is the capital of {name}?"))  # fmt: skip
-    thinking = f"The user told me earlier that the capital of {name} is {capital}. No tool is needed."
+    thinking = f"The user told me earlier that the capital of {name} is {capital}."
+    thinking += " No tool is needed."
     task = _lookup_country_task(d, question, {"country": name, "field": "capital"})
     reply = rng.choice(("Thanks for sharing!", "Good to know."))
     task.earlier = [user(said), {"role": "assistant", "content": reply}]
@@ -1068,7 +1079,8 @@ def _chain_example(draw: Draw, example_id: str, mixture: Mixture) -> Example:
     if mixture.long_analysis and rng.random() < mixture.long_analysis:
         first.thinking = _checked(rng, first.thinking, _tool_checks(first.tool, first.arguments),
                                   rng.randint(1, 3))  # fmt: skip
-    declared, missing = _declare_chain(rng, [step.tool for step in chain.steps], mixture, draw.split)
+    needed = [step.tool for step in chain.steps]
+    declared, missing = _declare_chain(rng, needed, mixture, draw.split)
     messages = _instructions(rng) + _history(draw, mixture) + [user(chain.question)]
     tool = arguments = result = None
     later: tuple[dict[str, Any], ...] = ()
@@ -1152,9 +1164,11 @@ def _capital_letters(d: Draw) -> _Chain:
 
     def finish(results: list[str]) -> tuple[str, str]:
         r = results[1]
-        final = {"length": f"The capital of {name} is {capital}, which has {r} letters.",
-                 "reverse": f"The capital of {name} is {capital}; backwards it is '{r}'.",
-                 "uppercase": f"The capital of {name} is {capital}; in uppercase it is '{r}'."}
+        final = {
+            "length": f"The capital of {name} is {capital}, which has {r} letters.",
+            "reverse": f"The capital of {name} is {capital}; backwards it is '{r}'.",
+            "uppercase": f"The capital of {name} is {capital}; in uppercase it is '{r}'.",
+        }
         return final[operation], r
 
     return _Chain(question, [first, second], finish)

@@ -52,8 +52,13 @@ def build(out: Path, config: DataConfig, workers: int = 0) -> dict[str, object]:
         tok = tokenizer.load(config.tokenizer_from)
     else:
         items = config.tokenizer_items
-        texts = corpus.texts(config.seed, "train", items, doc_every=config.doc_every,
-                             mixture=corpus.mixture_named(config.mixture, config.long_analysis))
+        texts = corpus.texts(
+            config.seed,
+            "train",
+            items,
+            doc_every=config.doc_every,
+            mixture=corpus.mixture_named(config.mixture, config.long_analysis),
+        )
         tok = tokenizer.train(texts, config.vocab_size)
     tokenizer.save(tok, out / TOKENIZER_DIR)
     meta: dict[str, object] = {"config": asdict(config), "tokenizer_seconds": time.time() - began}
@@ -164,11 +169,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer-items", type=int, default=DataConfig.tokenizer_items)
     parser.add_argument("--workers", type=int, default=0, help="0: one per CPU")
     parser.add_argument(
-        "--mixture", default=DataConfig.mixture, choices=tuple(corpus.MIXTURES),
+        "--mixture",
+        default=DataConfig.mixture,
+        choices=tuple(corpus.MIXTURES),
         help="training-split task mixture: default, or control (the control-plane tasks mixed in)",
     )
     parser.add_argument(
-        "--long-analysis", type=float, default=None, metavar="SHARE",
+        "--long-analysis",
+        type=float,
+        default=None,
+        metavar="SHARE",
         help="replace the mixture's share of conversations with lengthened analysis (0..1)",
     )
     parser.add_argument(

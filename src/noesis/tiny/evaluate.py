@@ -86,7 +86,8 @@ def calls_valid(example: Example, turns: Sequence[Turn]) -> list[bool]:
     for turn in turns:
         for call in turn.tool_calls:
             arguments = _json_object(call.arguments)
-            flags.append(arguments is not None and _valid_for_declared(example, call.name, arguments))
+            valid = arguments is not None and _valid_for_declared(example, call.name, arguments)
+            flags.append(valid)
     return flags
 
 
