@@ -83,6 +83,15 @@ def load_sidecars(path: str | Path | None = None, safety: bool | None = None) ->
             tables[name] = {**tables.get(name, {}), **table}
     if safety is False:
         tables.pop("safety", None)
+    return sidecars_from_tables(tables)
+
+
+def sidecars_from_tables(tables: dict[str, Any]) -> SidecarsConfig:
+    """The sidecars of an already read `[sidecars]` section (the voice config's, say): one
+    table per sidecar, each over its kind's defaults; ConfigError naming a bad key."""
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"sidecars.{name} must be a table")
     specs = [_spec(name, table) for name, table in tables.items()]
     return SidecarsConfig(tuple(spec for spec in specs if spec is not None))
 

@@ -197,7 +197,7 @@ class VoiceSession:
             [ExpertSpec(name, path) for name, path in config.experts.items()],
             config.memory_budget_bytes,
             llm_loader(config.generation.dtype, config.generation.max_model_len,
-                       config.experts.get(config.generation.draft), telemetry),
+                       config.experts.get(config.generation.draft), telemetry, config.sidecars),
             llm_bytes,
             config.prefetch_chunk_bytes,
         )

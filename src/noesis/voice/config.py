@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from noesis.errors import ConfigError
+from noesis.sidecars.config import SidecarsConfig, sidecars_from_tables
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TOOL_TASKS = (
@@ -69,6 +70,11 @@ DEFAULTS: dict[str, Any] = {
         "draft": "noesis-tiny-draft",
     },
     "queue_size": 4,
+    # Side models beside every expert's decoding (noesis.sidecars), one table each, as in a
+    # `noesis serve --sidecars` file: [sidecars.safety] ends an answer that turns harmful (the
+    # voice then says noesis.voice.experts.BLOCKED_SPEECH), [sidecars.intent] guesses each
+    # turn's tool. None by default.
+    "sidecars": {},
 }
 
 
@@ -121,6 +127,7 @@ class VoiceConfig:
     generation: Generation
     queue_size: int
     asr_window_s: float = 30.0
+    sidecars: SidecarsConfig | None = None  # None: no side models
 
     def route(self, task: str, cuda_available: bool | None = None) -> Route:
         """The expert, device and tools of the first rule matching `task`."""
@@ -217,7 +224,15 @@ def parse(raw: dict[str, Any]) -> VoiceConfig:
         generation=generation,
         queue_size=_positive(raw, "queue_size"),
         asr_window_s=_window(raw["asr"]),
+        sidecars=_sidecars(raw["sidecars"]),
     )
+
+
+def _sidecars(raw: Any) -> SidecarsConfig | None:
+    if not isinstance(raw, dict):
+        raise ConfigError("voice config key 'sidecars' must be a table of sidecar tables")
+    config = sidecars_from_tables(raw)
+    return config if config.sidecars else None
 
 
 def _rule(raw: dict[str, Any], experts: dict[str, Path]) -> RouteRule:

@@ -28,6 +28,8 @@ from noesis.weights.files import regular_file_size
 
 PAGE_SIZE = mmap.PAGESIZE
 DEFAULT_CHUNK_BYTES = 4 * 2**20
+BLOCKED = "content_filter"  # the finish reason of an answer the safety sidecar ended
+BLOCKED_SPEECH = " Sorry, I can't help with that."  # said after what was already spoken
 
 
 class UnknownExpert(NoesisError, KeyError):
@@ -269,7 +271,8 @@ class ExpertPool:
 
 
 def llm_loader(
-    dtype: str, max_model_len: int, draft: Path | None = None, telemetry: str | None = None
+    dtype: str, max_model_len: int, draft: Path | None = None, telemetry: str | None = None,
+    sidecars: Any = None,
 ) -> Callable[[ExpertSpec, str], Any]:
     """Load an expert through noesis.LLM, with a KV pool sized for one conversation and prefix
     caching on: every turn starts with the same system and tool declarations (hundreds of
@@ -278,7 +281,8 @@ def llm_loader(
     tool's result. With `draft` (a checkpoint sharing the experts' tokenizer), every other expert
     decodes speculatively with it: the same greedy text, fewer target forwards. With
     `telemetry` (a path), each expert's engine writes its own telemetry file beside it,
-    expert_telemetry_path's."""
+    expert_telemetry_path's. `sidecars` (a noesis.sidecars.config.SidecarsConfig) run beside
+    each expert's decoding, its own runtime per engine."""
 
     def load(spec: ExpertSpec, device: str):
         from noesis.llm import LLM
@@ -291,7 +295,7 @@ def llm_loader(
         return LLM(
             str(spec.path), device=device, dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=2, progress=False, enable_prefix_caching=True, speculative=speculative,
-            telemetry=engine_telemetry,
+            telemetry=engine_telemetry, sidecars=sidecars,
         )
 
     return load
@@ -393,6 +397,9 @@ def _spoken(
             yield event.text
         elif isinstance(event, MessageEnd) and in_final:
             return  # answered; whatever the model runs on to is not wanted
+        elif isinstance(event, AssistantTurn) and event.finish_reason == BLOCKED:
+            yield BLOCKED_SPEECH  # the safety sidecar ended the answer: say so, not silence
+            return
         elif isinstance(event, AssistantTurn) and event.tool_calls and stray_calls:
             return  # a call with no tools declared: nothing to run, nothing more to say
 
