@@ -58,6 +58,7 @@ def main() -> int:
         "summary": summarize(turns),
         "router": router_summary(config.router, turns),
         "experts": session.pool.stats.summary(),
+        "sidecars": session.pool.sidecar_stats(),  # the config's [sidecars], per expert
         "cold_prefetch": cold_prefetch(session, config.prefetch_chunk_bytes),
     }
     print(table(result))
@@ -190,6 +191,12 @@ def table(result: dict) -> str:
     experts = result["experts"]
     lines.append(f"{'expert cache hit rate':<52}{experts['hit_rate']} "
                  f"({experts['hits']} hits, {experts['misses']} misses)")
+    for expert, stats in result["sidecars"].items():
+        for name, s in stats.items():
+            mean = s["latency_s"] / s["completed"] if s["completed"] else 0.0
+            lines.append(f"sidecar {name} on {expert}: {s['windows']} windows, {s['completed']} "
+                         f"run ({_ms(mean)} ms each), {s['drops']} dropped, {s['errors']} "
+                         f"failed, decisions {s['decisions']}")
     for row in result["cold_prefetch"]:
         lines.append(f"cold prefetch {row['expert']:<18}{row['method']:<18}"
                      f"{row['bytes'] / 2**20:6.1f} MiB  resident after "

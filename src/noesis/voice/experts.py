@@ -254,6 +254,13 @@ class ExpertPool:
         """Least recently used first."""
         return list(self._loaded)
 
+    def sidecar_stats(self) -> dict[str, dict]:
+        """Per loaded expert running sidecars: each sidecar's windows, drops and latency."""
+        with self._lock:
+            runtimes = {name: getattr(getattr(loaded.value, "engine", None), "sidecars", None)
+                        for name, loaded in self._loaded.items()}  # fmt: skip
+        return {name: runtime.stats() for name, runtime in runtimes.items() if runtime}
+
     def _evict(self, name: str) -> None:
         self._loaded.pop(name)
         self.stats.evictions += 1
