@@ -15,13 +15,18 @@ grammar-bound), +constraints (grounded turn grammar),
 turn's analysis capped at B tokens: noesis.control.think), +phi+efe+budget8, +skip (the grammar,
 each first turn's analysis skipped when a probe of the turn without analysis is confident:
 noesis.control.skip, margin floor 0.8), +skip-all (floor 0: analysis always skipped, the
-lever's bound). Per run, pooled over examples x seeds, each share with its Wilson interval:
-end-to-end accuracy, first-try schema validity of the first turns' calls and of every call (a
-chain's second too), unnecessary calls (of the examples expecting none), missed calls (of those
-requiring one) and optional calls (of those answerable either way: not an error); tokens to
-answer (mean, normal interval) and its change against the unconstrained baseline of the same
-mode (paired bootstrap over examples), and how often the controller forbade or forced the tool
-header. The JSON and the Quality@Tokens PNG
+lever's bound), +exit (the grammar, each first turn's analysis written a sentence at a time and
+closed after the first sentence whose 16-token probe of the rest is confident:
+noesis.control.early_exit, floor 0.8), +exit-whole (the probe is the whole rest, kept when
+confident), +phi+efe+exit, +exit-first (floor 0: analysis closed after its first sentence, the
+lever's bound), +all (the grammar, the default policy and the exit). Per run, pooled over
+examples x seeds, each share with its Wilson interval: end-to-end accuracy, first-try schema
+validity of the first turns' calls and of every call (a chain's second too), unnecessary calls
+(of the examples expecting none), missed calls (of those requiring one) and optional calls (of
+those answerable either way: not an error); tokens to answer (mean, normal interval) and its
+change against the unconstrained baseline of the same mode (paired bootstrap over examples), and
+how often the controller forbade or forced the tool header; probing rungs add their probes'
+decode steps per turn. The JSON and the Quality@Tokens PNG
 (benchmarks/quality_at_tokens.py, --png) are rewritten after every run, so a cut-off run keeps
 what it finished.
 """
@@ -39,11 +44,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from noesis import LLM, SamplingParams  # noqa: E402
+from noesis.control.early_exit import ExitConfig, ExitStats, ExitTurns  # noqa: E402
 from noesis.control.skip import ProbedTurns, SkipConfig  # noqa: E402
 from noesis.control.think import BudgetedTurns  # noqa: E402
 from noesis.tiny import evaluate, harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+EXIT_MARGIN = 0.8  # +exit's margin floor (noesis.control.early_exit), as +skip's
 RUNGS = {  # name: (constraint, control policy, turn generator over the LLM or None: the LLM)
     "baseline": (None, None, None),
     "+phi": (None, "default", None),
@@ -55,7 +62,18 @@ RUNGS = {  # name: (constraint, control policy, turn generator over the LLM or N
     "+phi+efe+budget8": ("grounded", "default", lambda llm: BudgetedTurns(llm, 8)),
     "+skip": ("grounded", None, lambda llm: ProbedTurns(llm, SkipConfig(min_margin=0.8))),
     "+skip-all": ("grounded", None, lambda llm: ProbedTurns(llm, SkipConfig(min_margin=0.0))),
+    "+exit": ("grounded", None, lambda llm: _exit(llm)),
+    "+exit-whole": ("grounded", None, lambda llm: _exit(llm, probe_tokens=None)),
+    "+phi+efe+exit": ("grounded", "default", lambda llm: _exit(llm)),
+    "+exit-first": ("grounded", None, lambda llm: _exit(llm, min_margin=0.0)),
+    # all that acts on one turn: the grammar, the default policy (Φ, EFE-lite) and the exit (the
+    # binding gate prunes best_of branches: a turn sampled several times, not in this ladder)
+    "+all": ("grounded", "default", lambda llm: _exit(llm)),
 }
+
+
+def _exit(llm, **config) -> ExitTurns:
+    return ExitTurns(llm, ExitConfig(**{"min_margin": EXIT_MARGIN, **config}))
 
 
 def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -101,7 +119,7 @@ def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, see
         scores += result.scores
         traces += result.traces
         summaries.append(result.summary)
-        if isinstance(generator, ProbedTurns):
+        if isinstance(generator, ProbedTurns | ExitTurns):
             probes.append(generator.stats)
     tokens = [float(s.tokens_to_answer) for s in scores if s.tokens_to_answer is not None]
     mean, t_low, t_high = mean_interval(tokens)
@@ -140,13 +158,19 @@ def shares(traces: list, scores: list) -> dict:
 
 
 def _probe_summary(stats: list) -> dict:
-    """Probe-then-skip rungs: the share of probed turns run without analysis, and the decode
-    steps the probes spent per example (not in tokens to answer)."""
+    """Probing rungs: the decode steps the probes spent per turn (not in tokens to answer), and
+    for +skip the share of probed turns run without analysis; for +exit the share of turns whose
+    analysis closed on a probe, and the analysis sentences and tokens kept per turn."""
     if not stats:
         return {}
-    turns = sum(s.turns for s in stats)
-    return {"analysis_skipped": sum(s.skipped for s in stats) / max(1, turns),
-            "probe_steps_per_turn": sum(s.probe_steps for s in stats) / max(1, turns)}  # fmt: skip
+    turns = max(1, sum(s.turns for s in stats))
+    summary = {"probe_steps_per_turn": sum(s.probe_steps for s in stats) / turns}
+    if all(isinstance(s, ExitStats) for s in stats):
+        return {**summary, "analysis_exited": sum(s.exits for s in stats) / turns,
+                "sentences_per_turn": sum(s.sentences for s in stats) / turns,
+                "analysis_tokens_per_turn":
+                    sum(s.analysis_tokens for s in stats) / turns}  # fmt: skip
+    return {**summary, "analysis_skipped": sum(s.skipped for s in stats) / turns}
 
 
 def rate(name: str, flags: list) -> dict:
@@ -224,6 +248,11 @@ def _line(r: dict) -> str:
 
 
 def _skips(r: dict) -> str:
+    if "analysis_exited" in r:
+        return (f"  analysis exited {100 * r['analysis_exited']:.0f}% (sentences/turn "
+                f"{r['sentences_per_turn']:.1f}, analysis tokens/turn "
+                f"{r['analysis_tokens_per_turn']:.1f}), probe steps/turn "
+                f"{r['probe_steps_per_turn']:.1f}")  # fmt: skip
     if "analysis_skipped" not in r:
         return ""
     return (f"  analysis skipped {100 * r['analysis_skipped']:.0f}%, probe steps/turn "

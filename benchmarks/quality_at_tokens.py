@@ -3,7 +3,8 @@
 rung, a filled square for sampled runs and a hollow one for greedy. Written as a PNG with zlib
 alone (the lent GPU machines have no plotting package); tick labels in a 3x5 pixel font, the
 legend's boxes numbered in RUNGS order (1 baseline, 2 +phi, 3 +constraints, 4 +control-none,
-5 +phi+efe, 6 +budget8, 7 +budget16, 8 +phi+efe+budget8, 9 +skip, 10 +skip-all).
+5 +phi+efe, 6 +budget8, 7 +budget16, 8 +phi+efe+budget8, 9 +skip, 10 +skip-all, 11 +exit,
+12 +exit-whole, 13 +phi+efe+exit, 14 +exit-first, 15 +all).
 
     python benchmarks/quality_at_tokens.py ladder_heldout.json ladder_natural.json --png qat.png
 """
@@ -27,6 +28,11 @@ RUNGS = [
     "+phi+efe+budget8",
     "+skip",
     "+skip-all",
+    "+exit",
+    "+exit-whole",
+    "+phi+efe+exit",
+    "+exit-first",
+    "+all",
 ]
 COLOURS = [
     (90, 90, 90),
@@ -39,6 +45,11 @@ COLOURS = [
     (140, 60, 170),
     (220, 190, 20),
     (110, 70, 30),
+    (0, 170, 170),
+    (90, 220, 220),
+    (240, 90, 200),
+    (160, 160, 60),
+    (0, 0, 0),
 ]
 FONT = {  # 3x5 glyphs, rows top to bottom, 3 bits each
     "0": [7, 5, 5, 5, 7], "1": [2, 6, 2, 2, 7], "2": [7, 1, 7, 4, 7], "3": [7, 1, 7, 1, 7],

@@ -437,12 +437,13 @@ def _add_eval_tools_args(parser: argparse.ArgumentParser) -> None:
         "user's words, as `noesis chat` and the server decode (default: unconstrained)",
     )
     parser.add_argument(
-        "--control", "--controller", choices=("default", "none", "think-budget"),
+        "--control", "--controller", choices=("default", "none", "think-budget", "early-exit"),
         help="steer every generation with a control policy (noesis.control): 'default' = the Φ "
         "controller (temperature and top_p per token) and emit-vs-tool through the turn grammar "
         "(use with --constraint); 'none' = the same loop with the request's own knobs; "
-        "'think-budget' = the first turn's analysis capped at 16 tokens (default: no control; "
-        "--controller is the old spelling)",
+        "'think-budget' = the first turn's analysis capped at 16 tokens; 'early-exit' = the "
+        "first turn's analysis closed after the first sentence whose probe of the rest is "
+        "confident (default: no control; --controller is the old spelling)",
     )
 
 

@@ -4,28 +4,20 @@ turn grammar without analysis, and the generator's routing over a fake LLM (no m
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from scripted_turns import TINY_DIR, ask, ids, m
 
 from noesis.control.skip import ProbedTurns, SkipConfig, probe_confident
 from noesis.harmony import NOESIS_TINY, HarmonyEncoding
-from noesis.sampling.metrics import TokenMetrics
 from noesis.sampling.params import SamplingParams
 from noesis.session import AssistantTurn, TurnRequest
 from noesis.structured.harmony_grammar import harmony_turn_grammar
 from noesis.structured.matcher import GrammarSpec
 from noesis.tiny import tools
 
-TINY_DIR = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
-SPECIAL = re.compile(r"(<\|[a-z_0-9]+\|>)")
 FINAL = "<|channel|>final<|message|>Yara is 4 years old.<|return|>"
-
-
-def m(margin: float) -> TokenMetrics:
-    return TokenMetrics(entropy=0.1, varentropy=0.0, top_k_mass=1.0, margin=margin)
 
 
 # ---------------------------------------------------------------- the rule
@@ -97,21 +89,6 @@ class FakeLLM:
 @pytest.fixture(scope="module")
 def encoding():
     return HarmonyEncoding.from_file(TINY_DIR, NOESIS_TINY)
-
-
-def ids(encoding, text: str) -> list[int]:
-    out = []
-    for part in SPECIAL.split(text):
-        special = encoding.vocab.special_id(part) if part else None
-        out += [special] if special is not None else encoding.encode_text(part)
-    return out
-
-
-def ask(role: str = "user") -> TurnRequest:
-    messages = [{"role": "user", "content": "Yara is 4. How old is Yara?"}]
-    if role == "tool":
-        messages.append({"role": "tool", "name": "calculator", "content": "4"})
-    return TurnRequest(messages, tools.schemas(["calculator"]), "auto", False, {})
 
 
 def test_a_confident_whole_turn_probe_is_the_answer(encoding):

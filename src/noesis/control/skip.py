@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 
 from noesis.harmony.parser import parse_completion
 from noesis.sampling.metrics import TokenMetrics
-from noesis.session import AssistantTurn, BatchedTurnGenerator, ToolCall, TurnRequest
+from noesis.session import AssistantTurn, BatchedTurnGenerator, TurnRequest
 from noesis.structured.harmony_grammar import harmony_turn_spec
-from noesis.turns import new_call_id
 
 
 @dataclass(frozen=True)
@@ -126,13 +125,7 @@ class ProbedTurns(BatchedTurnGenerator):
         return sure
 
     def _turn(self, prompt: list[int], out) -> AssistantTurn:
-        token_ids = list(out.token_ids)
-        parsed = parse_completion(self.llm.harmony, token_ids)
-        calls = [ToolCall(new_call_id(), c.name, c.arguments) for c in parsed.tool_calls]
-        reason = out.finish_reason or "stop"
-        finish = "tool_calls" if calls and reason == "stop" else reason
-        return AssistantTurn(
-            parsed.analysis, calls, parsed.final, len(prompt), len(token_ids),
-            "cancelled" if finish == "abort" else finish, list(prompt), token_ids,
-            list(out.token_metrics or ()),
-        )  # fmt: skip
+        from noesis.llm import _assistant_turn  # noesis.llm imports the control package
+
+        parsed = parse_completion(self.llm.harmony, list(out.token_ids))
+        return _assistant_turn(parsed, prompt, out.token_ids, out.finish_reason, out.token_metrics)

@@ -6,19 +6,18 @@ Two batched generations per such turn: the analysis text after a forced
 `<|channel|>analysis<|message|>` (no grammar: analysis is free text), stopped at `<|end|>` or the
 budget; then, from `... <|end|><|start|>assistant`, the rest of the turn under the request's own
 params (its turn grammar included: the rest starts where a turn starts). Turns after tool results
-(which answer without analysis in Harmony) run as one plain generation. The confidence-based exit
-(noesis.control.budget) needs a per-token seam in the engine and is not applied here."""
+(which answer without analysis in Harmony) run as one plain generation. A confidence-based exit
+decided per sentence through the same seam is noesis.control.early_exit."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from noesis.harmony.parser import parse_completion
-from noesis.session import AssistantTurn, BatchedTurnGenerator, ToolCall, TurnRequest
-from noesis.turns import new_call_id
+from noesis.session import AssistantTurn, BatchedTurnGenerator, TurnRequest
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,18 +46,7 @@ class BudgetedTurns(BatchedTurnGenerator):
     def generate_turns(
         self, requests: Sequence[TurnRequest], cancel: threading.Event | None = None
     ) -> list[AssistantTurn]:
-        budgeted = [i for i, r in enumerate(requests) if _answers_the_user(r)]
-        others = [i for i in range(len(requests)) if i not in budgeted]
-        turns: list[AssistantTurn | None] = [None] * len(requests)
-        if others:
-            plain = self.llm.generate_turns([requests[i] for i in others], cancel)
-            for index, turn in zip(others, plain, strict=True):
-                turns[index] = turn
-        if budgeted:
-            made = self._budgeted([requests[i] for i in budgeted])
-            for index, turn in zip(budgeted, made, strict=True):
-                turns[index] = turn
-        return turns  # type: ignore[return-value]
+        return user_turns_through(self.llm, requests, cancel, self._budgeted)
 
     def _budgeted(self, requests: list[TurnRequest]) -> list[AssistantTurn]:
         llm = self.llm
@@ -93,17 +81,34 @@ class BudgetedTurns(BatchedTurnGenerator):
         return dataclasses.replace(params, seed=seed, max_tokens=left)
 
     def _turn(self, start: _Budgeted, out) -> AssistantTurn:
+        from noesis.llm import _assistant_turn  # noesis.llm imports the control package
+
         token_ids = start.analysis + self.close + list(out.token_ids)
         metrics = start.analysis_metrics + [None] * len(self.close) + list(out.token_metrics or ())
         parsed = parse_completion(self.llm.harmony, token_ids)
-        calls = [ToolCall(new_call_id(), c.name, c.arguments) for c in parsed.tool_calls]
-        reason = out.finish_reason or "stop"
-        finish = "tool_calls" if calls and reason == "stop" else reason
-        return AssistantTurn(
-            parsed.analysis, calls, parsed.final, len(start.prompt), len(token_ids),
-            "cancelled" if finish == "abort" else finish, list(start.prompt), token_ids, metrics,
-        )  # fmt: skip
+        return _assistant_turn(parsed, start.prompt, token_ids, out.finish_reason, metrics)
 
 
-def _answers_the_user(request: TurnRequest) -> bool:
+def user_turns_through(
+    llm,
+    requests: Sequence[TurnRequest],
+    cancel: threading.Event | None,
+    make: Callable[[list[TurnRequest]], list[AssistantTurn]],
+) -> list[AssistantTurn]:
+    """The turns that answer the user made by `make` (batched), the others by plain
+    `llm.generate_turns`; in the order of `requests`."""
+    answering = [i for i, r in enumerate(requests) if answers_the_user(r)]
+    others = [i for i in range(len(requests)) if i not in answering]
+    turns: list[AssistantTurn | None] = [None] * len(requests)
+    for indices, made in (
+        (others, llm.generate_turns([requests[i] for i in others], cancel) if others else []),
+        (answering, make([requests[i] for i in answering]) if answering else []),
+    ):
+        for index, turn in zip(indices, made, strict=True):
+            turns[index] = turn
+    return turns  # type: ignore[return-value]
+
+
+def answers_the_user(request: TurnRequest) -> bool:
+    """A turn after the user's message (analysis comes first), not after tool results."""
     return bool(request.messages) and request.messages[-1].get("role") == "user"

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from noesis.control.early_exit import ExitTurns
 from noesis.control.policy import POLICIES, ControlPolicy, make_policy
 from noesis.control.think import BudgetedTurns
 from noesis.errors import InvalidRequest
@@ -42,7 +43,10 @@ from noesis.tools.builtin import builtin_tools
 # LLM and returning the TurnGenerator the runs use.
 Hook = Callable[[Any], TurnGenerator]
 THINK_BUDGET = 16  # analysis tokens of "think-budget" (noesis.control.think)
-CONTROLLERS: dict[str, Hook] = {"think-budget": lambda llm: BudgetedTurns(llm, THINK_BUDGET)}
+CONTROLLERS: dict[str, Hook] = {
+    "think-budget": lambda llm: BudgetedTurns(llm, THINK_BUDGET),
+    "early-exit": lambda llm: ExitTurns(llm),  # noesis.control.early_exit, its default floor
+}
 
 # Constraints by name: the turn options every generation runs under. "harmony": a well-formed
 # turn whose tool arguments match the called tool's declared schema, read as plain JSON Schema;
