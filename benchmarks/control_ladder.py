@@ -154,7 +154,23 @@ def shares(traces: list, scores: list) -> dict:
                                      if e.expected_tool is not None and not e.tool_optional]),
         **rate("optional_tool_calls", [s.call.called is not None for e, s in pairs
                                        if e.tool_optional]),
+        "by_task": by_task(pairs),
     }  # fmt: skip
+
+
+def by_task(pairs: list) -> dict:
+    """Per task kind (the control split's optional_tool and two_calls among the others): its
+    end-to-end share with interval and count, and its mean tokens to answer."""
+    groups: dict[str, list] = {}
+    for example, score in pairs:
+        groups.setdefault(example.task, []).append(score)
+    table = {}
+    for task, scores in sorted(groups.items()):
+        tokens = [s.tokens_to_answer for s in scores if s.tokens_to_answer is not None]
+        mean = sum(tokens) / len(tokens) if tokens else None
+        table[task] = {**rate("end_to_end_accuracy", [s.end_to_end for s in scores]),
+                       "mean_tokens_to_answer": mean}  # fmt: skip
+    return table
 
 
 def _probe_summary(stats: list) -> dict:

@@ -193,3 +193,10 @@ def test_bad_configs_are_refused():
         ExitConfig(probe_tokens=0)
     with pytest.raises(ValueError, match="max_sentences"):
         ExitConfig(max_sentences=0)
+
+
+def test_the_harness_names_the_exit(encoding):
+    from noesis.tiny import harness
+
+    generator = harness.turn_generator(ScriptedLLM(encoding), "early-exit")
+    assert isinstance(generator, ExitTurns) and generator.config == ExitConfig()

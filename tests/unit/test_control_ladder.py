@@ -99,6 +99,8 @@ def test_shares_count_optional_calls_apart_and_every_call(ladder):
     assert shares["call_validity"] == pytest.approx(1 / 2)  # {} lacks the optional's arguments
     assert shares["every_call_validity"] == pytest.approx(1 / 3)
     assert shares["end_to_end_accuracy"] == 1.0 and "end_to_end_ci" in shares
+    assert shares["by_task"]["two_calls"]["end_to_end_accuracy_n"] == 1
+    assert shares["by_task"][optional.task]["mean_tokens_to_answer"] == 10
     line = ladder._line({**shares, "rung": "+exit", "mode": "greedy", "tokens_ci": [1.0, 2.0],
                          "mean_tokens_to_answer": 1.5, "tool_header_forbidden": None,
                          "seconds": 1.0})  # fmt: skip

@@ -1237,7 +1237,10 @@ TWO_CALLS = "two_calls"  # two calls in a row (Example.later_calls)
 CONTROL_GENERATORS: dict[str, Callable[[Draw], Task]] = {OPTIONAL_TOOL: _optional_tool}
 
 # Training: the default mixture, 15% of its conversations of the two new kinds, and a quarter of
-# all analyses lengthened. Evaluation (control split): about a third of the new kinds.
+# all analyses lengthened. Evaluation (control split): about a third of the new kinds. What an
+# exit after the plan can cut, counted on the control split's reference conversations (400, the
+# bundled tokenizer): the checks are 27 tokens where they appear; at long_analysis 0.25 they are
+# 9% of the tokens to answer (84), at 1.0 28% (98). A lever's -30% needs most turns lengthened.
 CONTROL_MIXTURE = Mixture(
     weights={**DEFAULT_MIXTURE.weights, OPTIONAL_TOOL: 7, TWO_CALLS: 10}, long_analysis=0.25
 )
