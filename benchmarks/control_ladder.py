@@ -44,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from noesis import LLM, SamplingParams  # noqa: E402
+from noesis.control.branched import BranchedTurns  # noqa: E402
 from noesis.control.early_exit import ExitConfig, ExitStats, ExitTurns  # noqa: E402
 from noesis.control.skip import ProbedTurns, SkipConfig  # noqa: E402
 from noesis.control.think import BudgetedTurns  # noqa: E402
@@ -66,10 +67,13 @@ RUNGS = {  # name: (constraint, control policy, turn generator over the LLM or N
     "+exit-whole": ("grounded", None, lambda llm: _exit(llm, probe_tokens=None)),
     "+phi+efe+exit": ("grounded", "default", lambda llm: _exit(llm)),
     "+exit-first": ("grounded", None, lambda llm: _exit(llm, min_margin=0.0)),
-    # all that acts on one turn: the grammar, the default policy (Φ, EFE-lite) and the exit (the
-    # binding gate prunes best_of branches: a turn sampled several times, not in this ladder)
+    # all that acts on one turn: the grammar, the default policy (Φ, EFE-lite) and the exit
     "+all": ("grounded", "default", lambda llm: _exit(llm)),
+    # each sampled turn as best_of 4 branches under the binding gate, the likeliest kept
+    # (noesis.control.branched; greedy turns run once): its decoded tokens are all branches'
+    "+gate": ("grounded", "default", lambda llm: BranchedTurns(llm, GATE_BEST_OF)),
 }
+GATE_BEST_OF = 4
 
 
 def _exit(llm, **config) -> ExitTurns:
@@ -108,7 +112,7 @@ def paired_change(ours: list[float], base: list[float], draws: int = 2000) -> di
 def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, seeds) -> dict:
     """Every seed of one rung and decoding mode, pooled over examples x seeds."""
     constraint, controller, wrap = RUNGS[rung]
-    scores, traces, summaries, probes = [], [], [], []
+    scores, traces, summaries, probes, branched = [], [], [], [], []
     began = time.perf_counter()
     for seed in seeds:
         config = harness.EvalConfig(split=args.split, n=args.n, corpus_seed=args.corpus_seed,
@@ -121,6 +125,8 @@ def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, see
         summaries.append(result.summary)
         if isinstance(generator, ProbedTurns | ExitTurns):
             probes.append(generator.stats)
+        if isinstance(generator, BranchedTurns):
+            branched.append(generator)
     tokens = [float(s.tokens_to_answer) for s in scores if s.tokens_to_answer is not None]
     mean, t_low, t_high = mean_interval(tokens)
     return {
@@ -130,8 +136,17 @@ def one_rung(llm, examples, args, rung: str, sampled: SamplingParams | None, see
         "tool_header_forbidden": _mean([s.get("tool_header_forbidden") for s in summaries]),
         "tool_header_forced": _mean([s.get("tool_header_forced") for s in summaries]),
         "per_example_tokens": tokens, "seconds": round(time.perf_counter() - began, 1),
-        **_probe_summary(probes),
+        **_probe_summary(probes), **_gate_summary(branched, len(scores)),
     }  # fmt: skip
+
+
+def _gate_summary(generators: list, examples: int) -> dict:
+    """+gate: the tokens every branch decoded per example (what the device paid, against the
+    kept branch's tokens to answer) and the branches the gate pruned per example."""
+    if not generators:
+        return {}
+    return {"decoded_tokens_per_example": sum(g.decoded for g in generators) / max(1, examples),
+            "pruned_per_example": sum(g.pruned for g in generators) / max(1, examples)}
 
 
 def shares(traces: list, scores: list) -> dict:
@@ -264,6 +279,9 @@ def _line(r: dict) -> str:
 
 
 def _skips(r: dict) -> str:
+    if "decoded_tokens_per_example" in r:
+        return (f"  decoded (all branches) {r['decoded_tokens_per_example']:.1f} tokens/example, "
+                f"pruned {r['pruned_per_example']:.2f} branches/example")
     if "analysis_exited" in r:
         return (f"  analysis exited {100 * r['analysis_exited']:.0f}% (sentences/turn "
                 f"{r['sentences_per_turn']:.1f}, analysis tokens/turn "

@@ -4,7 +4,7 @@ rung, a filled square for sampled runs and a hollow one for greedy. Written as a
 alone (the lent GPU machines have no plotting package); tick labels in a 3x5 pixel font, the
 legend's boxes numbered in RUNGS order (1 baseline, 2 +phi, 3 +constraints, 4 +control-none,
 5 +phi+efe, 6 +budget8, 7 +budget16, 8 +phi+efe+budget8, 9 +skip, 10 +skip-all, 11 +exit,
-12 +exit-whole, 13 +phi+efe+exit, 14 +exit-first, 15 +all).
+12 +exit-whole, 13 +phi+efe+exit, 14 +exit-first, 15 +all, 16 +gate).
 
     python benchmarks/quality_at_tokens.py ladder_heldout.json ladder_natural.json --png qat.png
 """
@@ -33,6 +33,7 @@ RUNGS = [
     "+phi+efe+exit",
     "+exit-first",
     "+all",
+    "+gate",
 ]
 COLOURS = [
     (90, 90, 90),
@@ -50,6 +51,7 @@ COLOURS = [
     (240, 90, 200),
     (160, 160, 60),
     (0, 0, 0),
+    (255, 160, 160),
 ]
 FONT = {  # 3x5 glyphs, rows top to bottom, 3 bits each
     "0": [7, 5, 5, 5, 7], "1": [2, 6, 2, 2, 7], "2": [7, 1, 7, 4, 7], "3": [7, 1, 7, 1, 7],

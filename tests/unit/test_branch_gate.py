@@ -17,6 +17,7 @@ from noesis.control import DefaultPolicy, NullPolicy
 from noesis.control.branches import GATE_EVERY, BranchGate
 from noesis.control.gate import Branch
 from noesis.control.knobs import start_phi
+from noesis.control.turns import TurnControl
 from noesis.engine.outputs import RequestOutput
 from noesis.errors import InvalidRequest
 from noesis.sampling.metrics import TokenMetrics
@@ -48,8 +49,8 @@ def fake_state(generated: int, entropy: float = 0.5):
 
 
 def gate_with(policy, ids, keep, tools=None):
-    gate = BranchGate(policy)
-    gate.add(ids, keep, policy.begin(start_phi(BRANCH)), tools)
+    gate = BranchGate()
+    gate.add(ids, keep, policy, policy.begin(start_phi(BRANCH)), tools)
     return gate
 
 
@@ -111,7 +112,7 @@ def test_a_group_is_checked_when_made():
         gate_with(policy, ["a", "a"], keep=1)
     gate = gate_with(policy, ["a", "b"], keep=1)
     with pytest.raises(InvalidRequest, match="already"):
-        gate.add(["b", "c"], 1, policy.begin(start_phi(BRANCH)))
+        gate.add(["b", "c"], 1, policy, policy.begin(start_phi(BRANCH)))
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +131,8 @@ def test_schema_validity_reads_a_harmony_branchs_complete_tool_calls(bundled):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
     policy = NullPolicy()
-    gate = BranchGate(policy, encoding)
-    gate.add(["ok", "bad"], 1, policy.begin(start_phi(BRANCH)), tools)
+    gate = BranchGate(encoding)
+    gate.add(["ok", "bad"], 1, policy, policy.begin(start_phi(BRANCH)), tools)
     group = gate.groups["ok"]
 
     def call(arguments: str, closed: bool = True) -> list[int]:
@@ -218,6 +219,12 @@ def test_nothing_to_gate_without_a_policy_and_metrics_are_required(checkpoints):
     with pytest.raises(InvalidRequest, match="metrics"):
         gated.add_branches(ids, keep=1)
     assert gated.add_branches(ids[:1], keep=1) is False  # one branch: nothing to prune
+    for rid in ids:
+        gated.abort(rid)
+    # A conversation's own policy gates where the engine has none
+    ids = [engine.add_request(PROMPT, BRANCH) for _ in range(3)]
+    assert engine.add_branches(ids, keep=1, policy=Named()) is True
+    run(engine, ids)
 
 
 # ---------------------------------------------------------------- the server
@@ -328,5 +335,11 @@ def test_branched_turns_pick_the_likeliest_unpruned_branch():
     before = generator.decoded
     (once,) = generator.generate_turns([greedy])
     assert generator.decoded - before == once.completion_tokens  # one branch, not four
+    free = LLM(str(BUNDLED), device="cpu", dtype="float32", progress=False)  # no policy
     with pytest.raises(ValueError, match="control"):
-        BranchedTurns(SimpleNamespace(control=None))  # an LLM without a policy
+        BranchedTurns(free).generate_turns([request])
+    steered = TurnRequest(example.prompt_messages, example.tools, "auto", False,
+                          {"params": TurnControl(Named()).params(sampled)})
+    gated = BranchedTurns(free, best_of=4)
+    gated.generate_turns([steered])  # the conversation's policy gates the branches
+    assert gated.pruned == 1

@@ -18,15 +18,14 @@ SEED_STRIDE = 1_000_003  # branch i of a seeded turn samples with seed + i * SEE
 
 
 class BranchedTurns(BatchedTurnGenerator):
-    """TurnGenerator: `LLM.generate_turns` with every turn sampled as `best_of` gated branches.
+    """TurnGenerator: `LLM.generate_turns` with every turn sampled as `best_of` branches, gated
+    by the conversation's policy (a Session's), else the LLM's (LLM(control=...)).
     A greedy turn would give `best_of` equal branches: it runs once, as asked. `decoded` counts
     the tokens of every branch (what the GPU paid), `pruned` the branches the gate stopped."""
 
     def __init__(self, llm, best_of: int = 4) -> None:
         if best_of < 2:
             raise ValueError(f"best_of must be at least 2, got {best_of}")
-        if llm.control is None:
-            raise ValueError("gated branches need a control policy: LLM(..., control='default')")
         self.llm, self.best_of = llm, best_of
         self.decoded = 0
         self.pruned = 0
@@ -39,6 +38,12 @@ class BranchedTurns(BatchedTurnGenerator):
         llm = self.llm
         inputs = [llm._turn_inputs(r.messages, r.tools, r.tool_choice, r.deterministic,
                                    **r.options) for r in requests]  # fmt: skip
+        # The conversation's policy (a Session's TurnControl) gates its branches, else the LLM's
+        policies = [getattr(params.control, "policy", None) or llm.engine.control.policy
+                    for _, params in inputs]
+        if any(policy is None for policy in policies):
+            raise ValueError("gated branches need a control policy: a Session with control= or "
+                             "LLM(..., control='default')")
         width = [1 if params.greedy else self.best_of for _, params in inputs]
         prompts, params = [], []
         for (prompt, base), count in zip(inputs, width, strict=True):
@@ -49,12 +54,12 @@ class BranchedTurns(BatchedTurnGenerator):
                 prompts.append(prompt)
         ids = llm._add_all(prompts, params)
         start = 0
-        for r, count in zip(requests, width, strict=True):
+        for r, count, policy in zip(requests, width, policies, strict=True):
             group = ids[start : start + count]
             start += count
             if count > 1:
                 texts = user_texts(r.messages)
-                llm.engine.add_branches(group, 1, r.tools, texts[0] if texts else None)
+                llm.engine.add_branches(group, 1, r.tools, texts[0] if texts else None, policy)
         outputs = llm._run_to_completion(ids, False, cancel)
         self.decoded += sum(len(out.token_ids) for out in outputs)
         self.pruned += sum(out.finish_reason == "pruned" for out in outputs)

@@ -29,6 +29,7 @@ GATE_EVERY = 16  # tokens of the group's shortest live branch between two checks
 class BranchGroup:
     ids: tuple[str, ...]
     keep: int  # branches that must be able to finish
+    policy: ControlPolicy  # whose should_prune decides
     state: ControlState  # the policy's: its gate keeps the hysteresis streaks
     tools: dict[str, dict[str, Any]]  # declared tool name -> its parameters schema
     max_pruned: int  # over the group's life
@@ -41,14 +42,14 @@ class BranchGroup:
 class BranchGate:
     """The engine's branch groups, checked after each step (never waiting on anything)."""
 
-    def __init__(self, policy: ControlPolicy, encoding: HarmonyEncoding | None = None) -> None:
-        self.policy = policy
+    def __init__(self, encoding: HarmonyEncoding | None = None) -> None:
         self.encoding = encoding  # a Harmony model's: tool calls are read for schema validity
         self.groups: dict[str, BranchGroup] = {}  # by each member's request id
         self.pruned_total = 0
 
-    def add(self, request_ids: Iterable[str], keep: int, state: ControlState,
-            tools: list[dict[str, Any]] | None = None, max_prune_rate: float = 0.4) -> None:
+    def add(self, request_ids: Iterable[str], keep: int, policy: ControlPolicy,
+            state: ControlState, tools: list[dict[str, Any]] | None = None,
+            max_prune_rate: float = 0.4) -> None:
         ids = tuple(request_ids)
         if len(set(ids)) != len(ids):
             raise InvalidRequest("branch request ids must differ")
@@ -59,7 +60,7 @@ class BranchGate:
         if taken:
             raise InvalidRequest(f"request {taken[0]} is already a branch of another group")
         max_pruned = min(len(ids) - keep, math.floor(max_prune_rate * len(ids)))
-        group = BranchGroup(ids, keep, state, _schemas(tools), max_pruned)
+        group = BranchGroup(ids, keep, policy, state, _schemas(tools), max_pruned)
         for rid in ids:
             self.groups[rid] = group
 
@@ -96,7 +97,7 @@ class BranchGate:
         for rid, state in members.items():
             generated = state.seq.token_ids[state.seq.prompt_len :]
             branches[rid] = self._branch(group, rid, generated, state.token_metrics)
-        named = self.policy.should_prune(group.state, branches)
+        named = group.policy.should_prune(group.state, branches)
         room = min(group.max_pruned - len(group.pruned), len(members) + len(group.finished)
                    - group.keep)
         chosen = [rid for rid in named if rid in members][: max(0, room)]

@@ -41,6 +41,7 @@ from noesis.sampling.params import SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from noesis.control.policy import ControlPolicy
     from noesis.speculative.proposer import StepProposals
     from noesis.telemetry.observer import EngineObserver
 
@@ -470,14 +471,16 @@ class Engine:
         return outputs
 
     def add_branches(self, request_ids: list[str], keep: int,
-                     tools: list[dict] | None = None, context: str | None = None) -> bool:
+                     tools: list[dict] | None = None, context: str | None = None,
+                     policy: ControlPolicy | None = None) -> bool:
         """Declare requests already added (each with SamplingParams(metrics=True)) as branches
         of one request of which `keep` must finish: the control policy's binding gate
         (noesis.control.branches) may stop the others early, finish_reason "pruned". `tools`
         (OpenAI format) lets it check the branches' tool arguments; `context` (the last user
-        message) is what the contradiction sidecar compares their answers with. False when
-        there is nothing to gate: no control policy, or too few branches still running."""
-        policy = self.control.policy
+        message) is what the contradiction sidecar compares their answers with; `policy` (a
+        conversation's) gates them instead of the engine's. False when there is nothing to
+        gate: no control policy, or too few branches still running."""
+        policy = policy or self.control.policy
         if policy is None:
             return False
         running = {**self._requests, **{rid: c[0] for rid, c in self._compiling.items()}}
@@ -491,9 +494,9 @@ class Engine:
             from noesis.control.branches import BranchGate
             from noesis.turns import harmony_encoding
 
-            self.branches = BranchGate(policy, harmony_encoding(self.tokenizer))
+            self.branches = BranchGate(harmony_encoding(self.tokenizer))
         params = running[ids[0]].seq.params
-        self.branches.add(ids, keep, policy.begin(start_phi(params)), tools)
+        self.branches.add(ids, keep, policy, policy.begin(start_phi(params)), tools)
         lane = self.sidecars.lanes.get("contradiction") if self.sidecars is not None else None
         if lane is not None:
             lane.sidecar.show(ids, context)
