@@ -9,7 +9,7 @@ import pytest
 
 from noesis.control import BeliefState, DefaultPolicy, NullPolicy, Phase, make_policy
 from noesis.control.budget import ThinkBudget
-from noesis.control.efe import Decision, tool_vs_emit
+from noesis.control.efe import Decision, EfeConfig, tool_vs_emit
 from noesis.control.gate import BindingGate, Branch
 from noesis.control.phi import Phi, PhiConfig, PhiController
 from noesis.control.turns import TurnControl
@@ -136,8 +136,13 @@ def test_emit_vs_tool_allows_before_evidence_forbids_after_a_good_round_forces_w
         belief.observe(m(0.05))
     belief.observe_tool("calc", True, 1, None)
     belief.end_round(True)
-    scores = tool_vs_emit(belief)
+    # Without a margin a confident model is forbidden its next call after a good round; the
+    # default wants as clear a case as forcing (two-call questions need that next call)
+    scores = tool_vs_emit(belief, EfeConfig(forbid_margin=0.0))
     assert scores.decision is Decision.FORBID and scores.g_emit < scores.g_tool
+    assert tool_vs_emit(belief).decision is Decision.ALLOW
+    costly = EfeConfig(tool_cost=1.5)  # a call that costs far more than guessing on
+    assert tool_vs_emit(belief, costly).decision is Decision.FORBID
     lost = BeliefState()
     for _ in range(10):
         lost.observe(m(4.0))
@@ -218,10 +223,18 @@ def test_without_control_the_loop_runs_to_the_round_limit(control):
     assert [choice for choice, _ in model.requests] == ["auto"] * 4
 
 
-def test_default_control_forbids_the_tool_header_after_a_good_round():
+def test_control_forbids_the_tool_header_after_a_good_round_where_its_margin_allows():
+    """Through the turn grammar: a policy whose EFE-lite forbids without a margin stops the loop
+    after the first good round; the default policy (forbidding needs a clear case) lets the
+    model make its next call, as a two-call question needs."""
     model = LoopingModel()
-    session = Session(model, max_tool_rounds=3, control="default")
     messages = [{"role": "user", "content": "1+2?"}]
+    default = Session(model, max_tool_rounds=3, control="default").generate(messages, tools=[add])
+    assert default.stop_reason == STOP_MAX_TOOL_ROUNDS
+    assert [choice for choice, _ in model.requests] == ["auto"] * 4
+    model.requests.clear()
+    eager = DefaultPolicy(efe=EfeConfig(forbid_margin=0.0))
+    session = Session(model, max_tool_rounds=3, control=eager)
     response = session.generate(messages, tools=[add])
     assert response.stop_reason == STOP_FINAL and response.final == "3"
     assert [choice for choice, _ in model.requests] == ["auto", "none"]

@@ -19,6 +19,7 @@ from noesis.structured.grounding import (
     MAX_SPAN_WORDS,
     candidate_spans,
     ground,
+    source_texts,
     user_texts,
 )
 from noesis.structured.harmony_grammar import harmony_turn_grammar
@@ -153,6 +154,30 @@ def test_the_grammar_only_accepts_a_country_named_in_the_request(compiler, token
 
     assert accepts("Norway") and accepts("norway")
     assert not accepts("Norbrekland") and not accepts("Dotapan") and not accepts("Sweden")
+
+
+def test_a_second_call_may_copy_the_first_calls_result(compiler, tokenizer):
+    """A chain: the capital a look-up returned goes to the string tool. Tool results are
+    grounding sources as the user's words are (source_texts), and nothing else is."""
+    asked = "How many letters are in the capital of Losbrethmark?"
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c0", "type": "function",
+            "function": {"name": "lookup_country", "arguments": "{}"}}]}  # fmt: skip
+    result = {"role": "tool", "tool_call_id": "c0", "content": "Gircothburg"}
+    messages = [user(asked), call, result]
+    assert source_texts(messages) == ["Gircothburg", asked] and user_texts(messages) == [asked]
+    spec = GrammarSpec.lark(
+        harmony_turn_grammar(tools.schemas(["string_tool"]), "required", None, messages)
+    )
+    header = "<|channel|>commentary to=functions.string_tool <|constrain|>json<|message|>"
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.matcher(spec)
+        body = json.dumps({"operation": "length", "text": text}, separators=(",", ":"))
+        ids = tokenizer.encode(header + body + "<|call|>", add_special_tokens=False)
+        return all(matcher.accept_token(i) for i in ids) and matcher.is_accepting()
+
+    assert accepts("Gircothburg") and accepts("Losbrethmark")
+    assert not accepts("Gircothberg")
 
 
 # ---------------------------------------------------------------- nothing else changes

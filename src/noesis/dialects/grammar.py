@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from noesis.dialects.spec import THINK_CLOSE, THINK_OPEN, Dialect
-from noesis.structured.grounding import ground, user_texts
+from noesis.structured.grounding import ground, source_texts
 from noesis.structured.harmony_grammar import callable_tools, response_format_schema, tool_schemas
 from noesis.structured.matcher import GrammarError, GrammarSpec
 
@@ -60,7 +60,7 @@ def dialect_turn_grammar(
     """Lark text of one turn; GrammarError on a bad option. `token(marker)` is the grammar term
     of a marker: its token (`<[id]>`) where the vocabulary has one, else its text."""
     functions = tool_schemas(tools or [])
-    texts = user_texts(options.messages)
+    texts = source_texts(options.messages)
     functions = {name: ground(schema, texts) for name, schema in functions.items()}
     names = callable_tools(functions, options.tool_choice)
     if names and not dialect.has_calls:

@@ -1,8 +1,9 @@
 """Grounded tool arguments: the `x-noesis-grounded` schema keyword, resolved per turn into a plain
 JSON Schema `enum` of spans of the user's words, so the sampler can only copy, never invent.
 
-A string property marked `"x-noesis-grounded": true` must be a span of the user's words in the
-conversation: one to MAX_SPAN_WORDS consecutive whole words of one user message (at most
+A string property marked `"x-noesis-grounded": true` must be a span of the user's words (or of a
+tool's result) in the conversation: one to MAX_SPAN_WORDS consecutive whole words of one user
+message or tool result (source_texts; at most
 MAX_SPAN_CHARS characters, never spelling `<|`), written as the user wrote them (the whitespace
 and punctuation between the words kept), or that span in lower, upper or title case.
 `"x-noesis-grounded": {"prefer": [...]}` means the same, except that when some spans equal
@@ -40,6 +41,17 @@ def user_texts(messages: Iterable[dict[str, Any]] | None) -> list[str]:
     return texts[::-1]
 
 
+def source_texts(messages: Iterable[dict[str, Any]] | None) -> list[str]:
+    """What grounded arguments may copy: each user message's text and each tool result's,
+    latest first. A result is words the conversation holds as surely as the user's: a chain of
+    calls passes one call's result to the next (the capital a look-up found, to a string tool)."""
+    texts = []
+    for message in messages or ():
+        if isinstance(message, dict) and message.get("role") in ("user", "tool"):
+            texts.append(_content_text(message.get("content")))
+    return texts[::-1]
+
+
 def is_grounded(schema: Any) -> bool:
     """Whether `schema` uses the extension anywhere (so its grammar depends on the conversation)."""
     return any(GROUNDED in node for node in _schemas(schema))
@@ -47,7 +59,7 @@ def is_grounded(schema: Any) -> bool:
 
 def ground(schema: dict[str, Any], texts: list[str]) -> dict[str, Any]:
     """`schema` with every grounded string property replaced by an enum of the candidate spans of
-    `texts` (user_texts). A schema without the extension comes back as the very same object."""
+    `texts` (source_texts). A schema without the extension comes back as the very same object."""
     if not is_grounded(schema):
         return schema
     spans = candidate_spans(texts)

@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any
 
-from noesis.structured.grounding import ground, user_texts
+from noesis.structured.grounding import ground, source_texts
 from noesis.structured.matcher import GrammarError, GrammarSpec
 
 TOOL_CHOICES = ("auto", "none", "required")
@@ -55,11 +55,12 @@ def harmony_turn_grammar(
     analysis: bool = True,
 ) -> str:
     """Lark text (llguidance dialect) of one assistant turn; GrammarError on a bad option.
-    `messages` (the conversation so far) supplies the user's words that grounded arguments copy;
+    `messages` (the conversation so far) supplies the user's words and the tools' results that
+    grounded arguments copy;
     without it they decode as their plain schema. `analysis=False` forbids analysis messages:
     the turn opens with its call or its final (noesis.control.skip)."""
     functions = _functions(tools or [])
-    texts = user_texts(messages)
+    texts = source_texts(messages)
     functions = {name: ground(schema, texts) for name, schema in functions.items()}
     callable_names = _callable(functions, tool_choice)
     final = _final_body(response_format)
