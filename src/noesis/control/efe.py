@@ -13,9 +13,9 @@ NLI side model exists.
 
 Forbidding needs as clear a case as forcing. With no margin, a confident model (entropy EMA near
 0) after one successful round was always forbidden its next call: on the control split's
-two-call questions (benchmarks/RESULTS.md, 2026-11-28) end to end fell from 98% to 14%, for a
-1.2% saving of tokens on the single-call held-out split. Low entropy says the model is sure of
-its next step, which may well be the second call.
+two-call questions (benchmarks/RESULTS.md, 2026-11-28) end to end fell from 98% to 14%, and on
+the single-call held-out split it saved nothing (tokens -1.2% at T = 0.7 with it and without it).
+Low entropy says the model is sure of its next step, which may well be the second call.
 """
 
 from __future__ import annotations
