@@ -85,6 +85,17 @@ def test_a_group_never_loses_more_than_40_percent_nor_goes_below_keep(branches, 
     assert branches - len(pruned) >= keep
 
 
+def test_a_group_waits_for_branches_whose_grammar_still_compiles():
+    policy = Named()
+    gate = gate_with(policy, ["a", "b", "c"], keep=1)
+    assert gate.observe({}, {}, {}, pending={"a", "b", "c"}) == [] and gate.groups  # kept
+    live = {"a": fake_state(GATE_EVERY), "b": fake_state(GATE_EVERY)}
+    assert gate.observe(live, {}, {}, pending={"c"}) == [] and not policy.shown  # not yet
+    live["c"] = fake_state(GATE_EVERY)
+    assert len(gate.observe(live, {}, {})) == 1  # all three run: checked
+    assert gate.observe({}, {}, {}) == [] and not gate.groups  # all gone: forgotten
+
+
 def test_finished_branches_are_scored_but_never_pruned():
     policy = Named()
     gate = gate_with(policy, ["done", "x", "y", "z", "w"], keep=1)

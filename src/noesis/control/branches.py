@@ -65,10 +65,12 @@ class BranchGate:
             self.groups[rid] = group
 
     def observe(self, live: dict[str, RequestState], finished: dict[str, Any],
-                contradiction: dict[str, float]) -> list[str]:
+                contradiction: dict[str, float], pending: Iterable[str] = ()) -> list[str]:
         """After a step: `live` the engine's requests in flight, `finished` the outputs of the
         branches that ended this step (request id -> RequestOutput), `contradiction` the latest
-        scores the contradiction sidecar returned. The request ids to prune now."""
+        scores the contradiction sidecar returned, `pending` the requests whose grammar is still
+        compiling (not running yet, not gone either). The request ids to prune now."""
+        pending = set(pending)
         for rid, score in contradiction.items():
             if rid in self.groups:
                 self.groups[rid].contradiction[rid] = score
@@ -81,13 +83,14 @@ class BranchGate:
         for group in {id(g): g for g in self.groups.values()}.values():
             members = {rid: live[rid] for rid in group.ids if rid in live}
             if not members:
-                self._forget(group)
+                if not pending.intersection(group.ids):
+                    self._forget(group)  # every branch has ended
                 continue
             if len(group.pruned) >= group.max_pruned:
                 continue
             shortest = min(len(s.seq.token_ids) - s.seq.prompt_len for s in members.values())
-            if shortest < group.next_check:
-                continue
+            if shortest < group.next_check or pending.intersection(group.ids):
+                continue  # checked once every branch runs
             group.next_check = shortest + GATE_EVERY
             prune += self._check(group, members)
         return prune

@@ -515,7 +515,7 @@ class Engine:
             from noesis.sidecars.contradiction import latest_scores
 
             scores = latest_scores(self.sidecar_results)
-        for rid in gate.observe(self._requests, finished, scores):
+        for rid in gate.observe(self._requests, finished, scores, self._compiling):
             self.prune_request(rid)
         return outputs
 
