@@ -20,6 +20,7 @@ from noesis.control.knobs import start_phi
 from noesis.control.turns import TurnControl
 from noesis.engine.outputs import RequestOutput
 from noesis.errors import InvalidRequest
+from noesis.planner.sequence import FinishReason
 from noesis.sampling.metrics import TokenMetrics
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
@@ -42,76 +43,104 @@ class Named(NullPolicy):
         return list(branches) if self.names is None else [k for k in self.names if k in branches]
 
 
-def fake_state(generated: int, entropy: float = 0.5):
-    seq = SimpleNamespace(token_ids=[0] * (3 + generated), prompt_len=3)
-    metrics = [TokenMetrics(entropy, 0.0, 1.0, 0.5)] * generated
-    return SimpleNamespace(seq=seq, token_metrics=metrics)
+class Fake:
+    """What the gate reads of a branch's RequestState."""
+
+    def __init__(self, generated: int = 0, entropy: float = 0.5) -> None:
+        self.seq = SimpleNamespace(token_ids=[0] * 3, prompt_len=3, finished=False,
+                                   finish_reason=None)
+        self.token_metrics: list = []
+        self.text = ""
+        self.entropy = entropy
+        self.grow(generated)
+
+    def grow(self, count: int) -> Fake:
+        self.seq.token_ids += [0] * count
+        self.token_metrics += [TokenMetrics(self.entropy, 0.0, 1.0, 0.5)] * count
+        return self
+
+    def end(self, reason: FinishReason = FinishReason.STOP, text: str = "") -> None:
+        self.seq.finished, self.seq.finish_reason, self.text = True, reason, text
 
 
-def gate_with(policy, ids, keep, tools=None):
+def gate_with(policy, ids, keep, tools=None, generated=0):
+    states = {rid: Fake(generated) for rid in ids}
     gate = BranchGate()
-    gate.add(ids, keep, policy, policy.begin(start_phi(BRANCH)), tools)
-    return gate
+    gate.add(states, keep, policy, policy.begin(start_phi(BRANCH)), tools)
+    return gate, states
+
+
+def grow_all(states, count):
+    for state in states.values():
+        if not state.seq.finished:
+            state.grow(count)
+
+
+def prune(gate, states, pending=()):
+    """One check as the engine runs it: the named branches end "pruned"."""
+    pruned = gate.observe({}, pending)
+    for rid in pruned:
+        states[rid].end(FinishReason.PRUNED)
+    return pruned
 
 
 def test_checks_every_gate_every_tokens_of_the_shortest_live_branch():
     policy = Named(names=[])
-    gate = gate_with(policy, ["a", "b", "c"], keep=1)
-    live = {"a": fake_state(GATE_EVERY - 1), "b": fake_state(GATE_EVERY + 5),
-            "c": fake_state(GATE_EVERY)}
-    assert gate.observe(live, {}, {}) == [] and policy.shown == []  # "a" is one token short
-    live["a"] = fake_state(GATE_EVERY)
-    gate.observe(live, {}, {})
+    gate, states = gate_with(policy, ["a", "b", "c"], keep=1, generated=GATE_EVERY)
+    states["a"].seq.token_ids.pop()  # "a" is one token short
+    assert prune(gate, states) == [] and policy.shown == []
+    states["a"].grow(1)
+    prune(gate, states)
     assert len(policy.shown) == 1 and set(policy.shown[0]) == {"a", "b", "c"}
-    gate.observe(live, {}, {})  # no new tokens: no second check
+    prune(gate, states)  # no new tokens: no second check
     assert len(policy.shown) == 1
-    live = {k: fake_state(2 * GATE_EVERY) for k in live}
-    gate.observe(live, {}, {})
+    grow_all(states, GATE_EVERY)
+    prune(gate, states)
     assert len(policy.shown) == 2
 
 
 @pytest.mark.parametrize(("branches", "keep", "cap"), [(5, 1, 2), (5, 4, 1), (2, 1, 0), (10, 3, 4)])
 def test_a_group_never_loses_more_than_40_percent_nor_goes_below_keep(branches, keep, cap):
-    ids = [f"r{i}" for i in range(branches)]
-    gate = gate_with(Named(), ids, keep)
-    live = {k: fake_state(GATE_EVERY) for k in ids}
+    gate, states = gate_with(Named(), [f"r{i}" for i in range(branches)], keep)
     pruned = []
-    for round_ in range(1, 6):
-        for rid in pruned:
-            live.pop(rid, None)
-        live = {k: fake_state(round_ * GATE_EVERY) for k in live}
-        pruned += gate.observe(live, {}, {})
+    for _ in range(5):
+        grow_all(states, GATE_EVERY)
+        pruned += prune(gate, states)
     assert len(pruned) == cap and len(set(pruned)) == cap
     assert branches - len(pruned) >= keep
 
 
 def test_a_group_waits_for_branches_whose_grammar_still_compiles():
     policy = Named()
-    gate = gate_with(policy, ["a", "b", "c"], keep=1)
-    assert gate.observe({}, {}, {}, pending={"a", "b", "c"}) == [] and gate.groups  # kept
-    live = {"a": fake_state(GATE_EVERY), "b": fake_state(GATE_EVERY)}
-    assert gate.observe(live, {}, {}, pending={"c"}) == [] and not policy.shown  # not yet
-    live["c"] = fake_state(GATE_EVERY)
-    assert len(gate.observe(live, {}, {})) == 1  # all three run: checked
-    assert gate.observe({}, {}, {}) == [] and not gate.groups  # all gone: forgotten
+    gate, states = gate_with(policy, ["a", "b", "c"], keep=1, generated=GATE_EVERY)
+    assert prune(gate, states, pending={"a", "b", "c"}) == [] and gate.groups  # kept
+    assert prune(gate, states, pending={"c"}) == [] and not policy.shown  # not all run yet
+    assert len(prune(gate, states)) == 1  # all three run: checked
+    for state in states.values():
+        if not state.seq.finished:
+            state.end()
+    assert prune(gate, states) == [] and not gate.groups  # all ended: forgotten
 
 
 def test_finished_branches_are_scored_but_never_pruned():
     policy = Named()
-    gate = gate_with(policy, ["done", "x", "y", "z", "w"], keep=1)
-    out = RequestOutput("done", None, [1], "", [9, 9], "stop", None, True,
-                        token_metrics=[TokenMetrics(0.1, 0.0, 1.0, 0.9)] * 2)
-    gate.observe({k: fake_state(1) for k in "xyzw"}, {"done": out}, {})
-    pruned = gate.observe({k: fake_state(GATE_EVERY) for k in "xyzw"}, {}, {})
+    gate, states = gate_with(policy, ["done", "x", "y", "z", "w"], keep=1)
+    states["done"] = done = states["done"]
+    done.entropy = 0.1
+    done.grow(2)
+    done.end(text="<|channel|>final<|message|>The answer is 42.")
+    grow_all(states, GATE_EVERY)
+    pruned = prune(gate, states)
     shown = policy.shown[-1]
     assert shown["done"].mean_entropy == pytest.approx(0.1) and "done" not in pruned
+    assert shown["done"].answer == "The answer is 42." and shown["x"].answer is None
     assert len(pruned) == 2  # floor(0.4 * 5)
 
 
 def test_the_contradiction_sidecars_scores_reach_the_branches():
     policy = Named(names=[])
-    gate = gate_with(policy, ["a", "b", "c"], keep=1)  # two could never lose one: unchecked
-    gate.observe({k: fake_state(GATE_EVERY) for k in "abc"}, {}, {"a": 0.9})
+    gate, _ = gate_with(policy, ["a", "b", "c"], keep=1, generated=GATE_EVERY)
+    gate.observe({"a": 0.9})  # (two branches could never lose one: unchecked)
     assert policy.shown[0]["a"].contradiction == 0.9 and policy.shown[0]["b"].contradiction is None
 
 
@@ -119,11 +148,9 @@ def test_a_group_is_checked_when_made():
     policy = NullPolicy()
     with pytest.raises(InvalidRequest, match="keep"):
         gate_with(policy, ["a", "b"], keep=3)
-    with pytest.raises(InvalidRequest, match="differ"):
-        gate_with(policy, ["a", "a"], keep=1)
-    gate = gate_with(policy, ["a", "b"], keep=1)
+    gate, _ = gate_with(policy, ["a", "b"], keep=1)
     with pytest.raises(InvalidRequest, match="already"):
-        gate.add(["b", "c"], 1, policy, policy.begin(start_phi(BRANCH)))
+        gate.add({"b": Fake(), "c": Fake()}, 1, policy, policy.begin(start_phi(BRANCH)))
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +170,7 @@ def test_schema_validity_reads_a_harmony_branchs_complete_tool_calls(bundled):
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
     policy = NullPolicy()
     gate = BranchGate(encoding)
-    gate.add(["ok", "bad"], 1, policy, policy.begin(start_phi(BRANCH)), tools)
+    gate.add({"ok": Fake(), "bad": Fake()}, 1, policy, policy.begin(start_phi(BRANCH)), tools)
     group = gate.groups["ok"]
 
     def call(arguments: str, closed: bool = True) -> list[int]:
@@ -229,6 +256,8 @@ def test_nothing_to_gate_without_a_policy_and_metrics_are_required(checkpoints):
     ids = [gated.add_request(PROMPT, plain) for _ in range(3)]
     with pytest.raises(InvalidRequest, match="metrics"):
         gated.add_branches(ids, keep=1)
+    with pytest.raises(InvalidRequest, match="differ"):
+        gated.add_branches([ids[0], ids[0]], keep=1)
     assert gated.add_branches(ids[:1], keep=1) is False  # one branch: nothing to prune
     for rid in ids:
         gated.abort(rid)

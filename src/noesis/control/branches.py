@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from noesis.control.gate import Branch
 from noesis.errors import InvalidRequest
+from noesis.planner.sequence import FinishReason
 
 if TYPE_CHECKING:
     from noesis.control.policy import ControlPolicy, ControlState
@@ -27,32 +28,31 @@ GATE_EVERY = 16  # tokens of the group's shortest live branch between two checks
 
 @dataclass(slots=True)
 class BranchGroup:
-    ids: tuple[str, ...]
+    states: dict[str, RequestState]  # request id -> its state, kept after it ends
     keep: int  # branches that must be able to finish
     policy: ControlPolicy  # whose should_prune decides
-    state: ControlState  # the policy's: its gate keeps the hysteresis streaks
+    control: ControlState  # the policy's: its gate keeps the hysteresis streaks
     tools: dict[str, dict[str, Any]]  # declared tool name -> its parameters schema
     max_pruned: int  # over the group's life
     next_check: int = GATE_EVERY
     pruned: list[str] = field(default_factory=list)
-    finished: dict[str, Branch] = field(default_factory=dict)  # their final scores
     contradiction: dict[str, float] = field(default_factory=dict)  # latest sidecar score
 
 
 class BranchGate:
-    """The engine's branch groups, checked after each step (never waiting on anything)."""
+    """The engine's branch groups, checked after each step (never waiting on anything). A group
+    reads its branches' RequestStates: the whole generation so far (a delta output holds only its
+    last tokens), and after a branch ends, all it wrote."""
 
     def __init__(self, encoding: HarmonyEncoding | None = None) -> None:
         self.encoding = encoding  # a Harmony model's: tool calls are read for schema validity
         self.groups: dict[str, BranchGroup] = {}  # by each member's request id
         self.pruned_total = 0
 
-    def add(self, request_ids: Iterable[str], keep: int, policy: ControlPolicy,
-            state: ControlState, tools: list[dict[str, Any]] | None = None,
+    def add(self, states: dict[str, RequestState], keep: int, policy: ControlPolicy,
+            control: ControlState, tools: list[dict[str, Any]] | None = None,
             max_prune_rate: float = 0.4) -> None:
-        ids = tuple(request_ids)
-        if len(set(ids)) != len(ids):
-            raise InvalidRequest("branch request ids must differ")
+        ids = tuple(states)
         if not 1 <= keep <= len(ids):
             raise InvalidRequest(f"keep must be in [1, {len(ids)}] for {len(ids)} branches, "
                                  f"got {keep}")
@@ -60,59 +60,56 @@ class BranchGate:
         if taken:
             raise InvalidRequest(f"request {taken[0]} is already a branch of another group")
         max_pruned = min(len(ids) - keep, math.floor(max_prune_rate * len(ids)))
-        group = BranchGroup(ids, keep, policy, state, _schemas(tools), max_pruned)
+        group = BranchGroup(dict(states), keep, policy, control, _schemas(tools), max_pruned)
         for rid in ids:
             self.groups[rid] = group
 
-    def observe(self, live: dict[str, RequestState], finished: dict[str, Any],
-                contradiction: dict[str, float], pending: Iterable[str] = ()) -> list[str]:
-        """After a step: `live` the engine's requests in flight, `finished` the outputs of the
-        branches that ended this step (request id -> RequestOutput), `contradiction` the latest
-        scores the contradiction sidecar returned, `pending` the requests whose grammar is still
-        compiling (not running yet, not gone either). The request ids to prune now."""
+    def observe(self, contradiction: dict[str, float], pending: Iterable[str] = ()) -> list[str]:
+        """After a step: `contradiction` the latest scores the contradiction sidecar returned,
+        `pending` the requests whose grammar is still compiling (not running yet, not gone
+        either). The request ids to prune now."""
         pending = set(pending)
         for rid, score in contradiction.items():
             if rid in self.groups:
                 self.groups[rid].contradiction[rid] = score
-        for rid, out in finished.items():
-            group = self.groups.get(rid)
-            if group is not None and rid not in group.pruned:
-                group.finished[rid] = self._branch(group, rid, out.token_ids, out.token_metrics,
-                                                   answer=_final_text(out.text))
         prune: list[str] = []
         for group in {id(g): g for g in self.groups.values()}.values():
-            members = {rid: live[rid] for rid in group.ids if rid in live}
-            if not members:
-                if not pending.intersection(group.ids):
-                    self._forget(group)  # every branch has ended
+            waiting = pending.intersection(group.states)
+            running = {rid: st for rid, st in group.states.items()
+                       if not st.seq.finished and rid not in waiting}  # fmt: skip
+            if not running and not waiting:
+                self._forget(group)  # every branch has ended
                 continue
-            if len(group.pruned) >= group.max_pruned:
+            if len(group.pruned) >= group.max_pruned or waiting or not running:
+                continue  # nothing left to prune, or checked once every branch runs
+            shortest = min(len(st.seq.token_ids) - st.seq.prompt_len for st in running.values())
+            if shortest < group.next_check:
                 continue
-            shortest = min(len(s.seq.token_ids) - s.seq.prompt_len for s in members.values())
-            if shortest < group.next_check or pending.intersection(group.ids):
-                continue  # checked once every branch runs
             group.next_check = shortest + GATE_EVERY
-            prune += self._check(group, members)
+            prune += self._check(group, running)
         return prune
 
-    def _check(self, group: BranchGroup, members: dict[str, RequestState]) -> list[str]:
-        branches = dict(group.finished)
-        for rid, state in members.items():
-            generated = state.seq.token_ids[state.seq.prompt_len :]
-            branches[rid] = self._branch(group, rid, generated, state.token_metrics)
-        named = group.policy.should_prune(group.state, branches)
-        room = min(group.max_pruned - len(group.pruned), len(members) + len(group.finished)
-                   - group.keep)
-        chosen = [rid for rid in named if rid in members][: max(0, room)]
+    def _check(self, group: BranchGroup, running: dict[str, RequestState]) -> list[str]:
+        """Score the running branches and those that answered; prune what the policy names,
+        within the group's room."""
+        done = {rid: st for rid, st in group.states.items()
+                if st.seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)}  # fmt: skip
+        branches = {rid: self._branch(group, rid, st) for rid, st in running.items()}
+        branches |= {rid: self._branch(group, rid, st, _final_text(st.text))
+                     for rid, st in done.items()}  # fmt: skip
+        named = group.policy.should_prune(group.control, branches)
+        room = min(group.max_pruned - len(group.pruned), len(running) + len(done) - group.keep)
+        chosen = [rid for rid in named if rid in running][: max(0, room)]
         group.pruned += chosen
         self.pruned_total += len(chosen)
         return chosen
 
-    def _branch(self, group: BranchGroup, rid: str, token_ids: list[int],
-                metrics: list | None, answer: str | None = None) -> Branch:
-        entropies = [m.entropy for m in metrics or () if m is not None]
+    def _branch(self, group: BranchGroup, rid: str, state: RequestState,
+                answer: str | None = None) -> Branch:
+        entropies = [m.entropy for m in state.token_metrics or () if m is not None]
         mean = sum(entropies) / len(entropies) if entropies else 0.0
-        return Branch(mean, answer, self._schema_valid(group, token_ids),
+        generated = state.seq.token_ids[state.seq.prompt_len :]
+        return Branch(mean, answer, self._schema_valid(group, generated),
                       group.contradiction.get(rid))
 
     def _schema_valid(self, group: BranchGroup, token_ids: list[int]) -> bool | None:
@@ -141,7 +138,7 @@ class BranchGate:
         return True
 
     def _forget(self, group: BranchGroup) -> None:
-        for rid in group.ids:
+        for rid in group.states:
             self.groups.pop(rid, None)
 
 

@@ -483,6 +483,8 @@ class Engine:
         policy = policy or self.control.policy
         if policy is None:
             return False
+        if len(set(request_ids)) != len(request_ids):
+            raise InvalidRequest("branch request ids must differ")
         running = {**self._requests, **{rid: c[0] for rid, c in self._compiling.items()}}
         ids = [rid for rid in request_ids if rid in running]
         if len(ids) <= keep:
@@ -496,7 +498,8 @@ class Engine:
 
             self.branches = BranchGate(harmony_encoding(self.tokenizer))
         params = running[ids[0]].seq.params
-        self.branches.add(ids, keep, policy, policy.begin(start_phi(params)), tools)
+        states = {rid: running[rid] for rid in ids}
+        self.branches.add(states, keep, policy, policy.begin(start_phi(params)), tools)
         lane = self.sidecars.lanes.get("contradiction") if self.sidecars is not None else None
         if lane is not None:
             lane.sidecar.show(ids, context)
@@ -508,14 +511,12 @@ class Engine:
         gate = self.branches
         if gate is None or not gate.groups:
             return outputs
-        finished = {out.request_id: out for out in outputs
-                    if out.finished and out.finish_reason in ("stop", "length")}
         scores = {}
         if self.sidecar_results:
             from noesis.sidecars.contradiction import latest_scores
 
             scores = latest_scores(self.sidecar_results)
-        for rid in gate.observe(self._requests, finished, scores, self._compiling):
+        for rid in gate.observe(scores, self._compiling):
             self.prune_request(rid)
         return outputs
 
