@@ -154,6 +154,12 @@ def test_a_group_is_checked_when_made():
 
 
 @pytest.fixture(scope="module")
+def bundled_free():
+    """The bundled model with no control policy of its own."""
+    return LLM(str(BUNDLED), device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
 def bundled():
     """The bundled Harmony model: its sampled distributions differ with temperature (a random
     tiny checkpoint's are near uniform at any), and its tokenizer spells Harmony."""
@@ -353,33 +359,28 @@ def test_the_contradiction_sidecar_scores_the_engines_branches(checkpoints):
     assert all(0.0 <= b.contradiction <= 1.0 for b in last.values())
 
 
-def test_branched_turns_pick_the_likeliest_unpruned_branch():
-    """The ladder's +gate rung: each sampled turn runs as best_of gated branches, the turn is
-    the most likely branch the gate left; a greedy turn runs once."""
+def test_branched_turns_pick_the_likeliest_unpruned_branch(bundled_free):
+    """The ladder's +gate rung: each sampled turn runs as best_of branches gated by the
+    conversation's policy (a Session's TurnControl), the turn is the most likely branch the gate
+    left; a greedy turn runs once; with no policy at all it is refused."""
     from noesis.control.branched import BranchedTurns
     from noesis.session import TurnRequest
     from noesis.tiny import corpus
 
-    policy = Named()  # prunes all it may: 1 of 4 at the first check
-    llm = LLM(str(BUNDLED), device="cpu", dtype="float32", progress=False, control=policy)
     example = corpus.generate(1234, "heldout", 1)[0]
-    sampled = SamplingParams(temperature=0.7, seed=5, max_tokens=120)
-    request = TurnRequest(example.prompt_messages, example.tools, "auto", False,
-                          {"params": sampled})
-    generator = BranchedTurns(llm, best_of=4)
-    (turn,) = generator.generate_turns([request])
-    assert generator.pruned == 1 and generator.decoded > turn.completion_tokens
+    sampled = SamplingParams(temperature=0.7, seed=5, max_tokens=40)
+
+    def request(params):
+        return TurnRequest(example.prompt_messages, example.tools, "auto", False,
+                           {"params": params})
+
+    generator = BranchedTurns(bundled_free, best_of=4)
+    (turn,) = generator.generate_turns([request(TurnControl(Named()).params(sampled))])
+    assert generator.pruned == 1 and generator.decoded > turn.completion_tokens  # 1 of 4
     assert turn.finish_reason in ("tool_calls", "stop", "length")
-    greedy = TurnRequest(example.prompt_messages, example.tools, "auto", False,
-                         {"params": dataclasses.replace(sampled, temperature=0.0)})
     before = generator.decoded
-    (once,) = generator.generate_turns([greedy])
+    greedy = dataclasses.replace(sampled, temperature=0.0)
+    (once,) = generator.generate_turns([request(TurnControl(Named()).params(greedy))])
     assert generator.decoded - before == once.completion_tokens  # one branch, not four
-    free = LLM(str(BUNDLED), device="cpu", dtype="float32", progress=False)  # no policy
     with pytest.raises(ValueError, match="control"):
-        BranchedTurns(free).generate_turns([request])
-    steered = TurnRequest(example.prompt_messages, example.tools, "auto", False,
-                          {"params": TurnControl(Named()).params(sampled)})
-    gated = BranchedTurns(free, best_of=4)
-    gated.generate_turns([steered])  # the conversation's policy gates the branches
-    assert gated.pruned == 1
+        generator.generate_turns([request(sampled)])  # no policy: the LLM has none either
