@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from noesis.control.gate import Branch
 from noesis.errors import InvalidRequest
 from noesis.planner.sequence import FinishReason
+from noesis.structured.harmony_grammar import tool_schemas
 
 if TYPE_CHECKING:
     from noesis.control.policy import ControlPolicy, ControlState
@@ -60,7 +61,8 @@ class BranchGate:
         if taken:
             raise InvalidRequest(f"request {taken[0]} is already a branch of another group")
         max_pruned = min(len(ids) - keep, math.floor(max_prune_rate * len(ids)))
-        group = BranchGroup(dict(states), keep, policy, control, _schemas(tools), max_pruned)
+        group = BranchGroup(dict(states), keep, policy, control, tool_schemas(tools or []),
+                            max_pruned)
         for rid in ids:
             self.groups[rid] = group
 
@@ -140,15 +142,6 @@ class BranchGate:
     def _forget(self, group: BranchGroup) -> None:
         for rid in group.states:
             self.groups.pop(rid, None)
-
-
-def _schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    schemas = {}
-    for tool in tools or ():
-        function = tool.get("function", tool)
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            schemas[function["name"]] = function.get("parameters") or {"type": "object"}
-    return schemas
 
 
 def _final_text(text: str) -> str | None:

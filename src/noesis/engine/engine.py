@@ -522,15 +522,8 @@ class Engine:
 
     def prune_request(self, request_id: str) -> None:
         """End one branch with finish_reason "pruned" (the binding gate stopped it)."""
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return
-        logger.debug("branch %s pruned", request_id)
-        self.scheduler.finish(state.seq, FinishReason.PRUNED)
-        self._release_speculation(state.seq)
-        if self.observer is not None:
-            self.observer.finished(state)
-        self._ended.append(state.output())
+        if self._end_early(request_id, FinishReason.PRUNED):
+            logger.debug("branch %s pruned", request_id)
 
     def show_turn(self, request_id: str, messages: list[dict], tools: list[dict] | None) -> None:
         """Show the sidecars an admitted turn's last user message and declared tools (the
@@ -664,16 +657,22 @@ class Engine:
     def filter_request(self, request_id: str, reason: str) -> None:
         """End one request with finish_reason "content_filter" and `reason` (a sidecar blocked
         it); the text it already streamed stays streamed. Its output comes with the next step's."""
+        if self._end_early(request_id, FinishReason.CONTENT_FILTER, reason):
+            logger.info("request %s blocked: %s", request_id, reason)
+
+    def _end_early(self, request_id: str, why: FinishReason, reason: str | None = None) -> bool:
+        """End a running request by a decision outside its own decoding (a sidecar's block, the
+        gate's prune); its output comes with the next step's. False when it had already ended."""
         state = self._requests.pop(request_id, None)
         if state is None:
-            return  # finished or ended before the sidecar's result came
-        logger.info("request %s blocked: %s", request_id, reason)
-        self.scheduler.finish(state.seq, FinishReason.CONTENT_FILTER)
+            return False  # finished or ended before the decision came
+        self.scheduler.finish(state.seq, why)
         self._release_speculation(state.seq)
         state.filter_reason = reason
         if self.observer is not None:
             self.observer.finished(state)
         self._ended.append(state.output())
+        return True
 
     def _take_ended(self) -> list[RequestOutput]:
         ended, self._ended = self._ended, []
