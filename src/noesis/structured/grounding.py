@@ -34,21 +34,19 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 
 def user_texts(messages: Iterable[dict[str, Any]] | None) -> list[str]:
     """The text of each user message, latest first (OpenAI content: a string or text parts)."""
-    texts = []
-    for message in messages or ():
-        if isinstance(message, dict) and message.get("role") == "user":
-            texts.append(_content_text(message.get("content")))
-    return texts[::-1]
+    return _texts(messages, ("user",))
 
 
 def source_texts(messages: Iterable[dict[str, Any]] | None) -> list[str]:
     """What grounded arguments may copy: each user message's text and each tool result's,
     latest first. A result is words the conversation holds as surely as the user's: a chain of
     calls passes one call's result to the next (the capital a look-up found, to a string tool)."""
-    texts = []
-    for message in messages or ():
-        if isinstance(message, dict) and message.get("role") in ("user", "tool"):
-            texts.append(_content_text(message.get("content")))
+    return _texts(messages, ("user", "tool"))
+
+
+def _texts(messages: Iterable[dict[str, Any]] | None, roles: tuple[str, ...]) -> list[str]:
+    texts = [_content_text(m.get("content")) for m in messages or ()
+             if isinstance(m, dict) and m.get("role") in roles]  # fmt: skip
     return texts[::-1]
 
 
