@@ -1,0 +1,146 @@
+"""The batch-1 MoE expert launches (issue 17), variants side by side on the lent GPU: the
+committed kernels against the tensor-core MXFP4 GEMV (kernels/fourbit.py, either operand order)
+and the CUDA-core one, over tiles and warps, on 8 distinct random layers of the gpt-oss-20b
+(MXFP4) and Qwen3-30B-A3B shapes replayed from one CUDA graph. Each variant's output is checked
+against dequantize-then-matmul first (relative error); the share is of the roofline from the
+distinct routed experts' bytes over the copy bandwidth measured in the same run.
+
+    python benchmarks/moe_gemv_sweep.py --old path/to/moe_triton_at_HEAD.py --json sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_moe import SHAPES, build_layer, copy_bandwidth, expert_bytes_read, time_ms  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", type=Path, help="a moe_triton.py to time as 'old'")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import noesis.kernels as kernels
+    from noesis.kernels import moe_triton
+
+    bandwidth = copy_bandwidth("cuda", 1 << 30)
+    print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    old = _load(args.old) if args.old else None
+    rows = []
+    print("| shape | batch | variant | ms | share of roofline | rel. error |")
+    print("|---|---|---|---|---|---|")
+    for name, shape in SHAPES.items():
+        torch.manual_seed(0)
+        layers = [build_layer(shape, "cuda")[0] for _ in range(args.layers)]
+        for batch in args.batches:
+            x = torch.randn(batch, shape.hidden, device="cuda", dtype=torch.bfloat16)
+            read = sum(expert_bytes_read(block, x) for block in layers)
+            roofline_ms = read / bandwidth * 1e3
+            reference = [_reference(block, x) for block in layers]
+            for variant, setup in _variants(shape.mxfp4, old is not None):
+                kernels.moe_triton = old if variant == "old" else moe_triton
+                restore = setup(moe_triton)
+                try:
+                    err = max(_rel(_forward(kernels.moe_triton, b, x), r)
+                              for b, r in zip(layers, reference, strict=True))  # fmt: skip
+                    ms = time_ms(lambda x=x: [_forward(kernels.moe_triton, b, x) for b in layers],
+                                 args.iters, "cuda", graph=True)  # fmt: skip
+                except Exception as exc:  # a tile that does not compile is a row, not a crash
+                    print(f"| {name} | {batch} | {variant} | failed: {type(exc).__name__}: "
+                          f"{str(exc)[:200]} | | |")  # fmt: skip
+                    continue
+                finally:
+                    restore()
+                    kernels.moe_triton = moe_triton
+                share = roofline_ms / ms
+                rows.append(dict(shape=name, batch=batch, variant=variant, ms=ms, share=share,
+                                 error=err, read_mb=read / 1e6))  # fmt: skip
+                print(f"| {name} | {batch} | {variant} | {ms:.3f} | {share:.0%} | {err:.1e} |")
+    if args.json:
+        args.json.write_text(json.dumps(dict(bandwidth=bandwidth, rows=rows), indent=1))
+
+
+def _variants(mxfp4: bool, with_old: bool):
+    """(name, setup(module) -> restore) pairs."""
+    from noesis.kernels.moe_triton import Tiles
+
+    def knobs(mode=None, tiles=None):
+        def setup(module):
+            saved = (module.MMA_MODE, module.MMA_TILES)
+            if mode is not None:
+                module.MMA_MODE = mode
+            if tiles is not None:
+                module.MMA_TILES = tiles
+            return lambda: (setattr(module, "MMA_MODE", saved[0]),
+                            setattr(module, "MMA_TILES", saved[1]))  # fmt: skip
+
+        return setup
+
+    if with_old:
+        yield "old", lambda module: (lambda: None)
+    yield "new default", knobs()
+    if not mxfp4:
+        return
+    yield "cuda cores", knobs(mode=0)
+    for mode in (1, 2):
+        for up_n, down_n in ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64)):
+            for warps in (4, 8):
+                tiles = (Tiles(up_n, 512, warps), Tiles(down_n, 512, warps))
+                yield f"mma{mode} gate_up {2 * up_n} rows, down {down_n}, {warps} warps", knobs(
+                    mode, tiles)
+
+
+def _forward(module, block, x):
+    from noesis.kernels import moe as moe_ops
+
+    weights, ids = moe_ops.route(block.router(x), block.top_k, block.routing, block.renormalize)
+    experts = block.experts
+    projections = (experts._projection("gate_up_proj"), experts._projection("down_proj"))
+    return module.experts(x, ids, weights, *projections, experts.activation.limit,
+                          experts.activation.alpha, experts.gate_up_proj_bias,
+                          experts.down_proj_bias)  # fmt: skip
+
+
+def _reference(block, x):
+    """Dequantize-then-matmul in float32 (noesis.kernels.moe.grouped)."""
+    from noesis.kernels import moe as moe_ops
+    from noesis.weights.mxfp4 import Mxfp4Weight
+
+    with torch.no_grad():
+        weights, ids = moe_ops.route(block.router(x), block.top_k, block.routing,
+                                     block.renormalize)  # fmt: skip
+        experts = block.experts
+        dense = []
+        for name in ("gate_up_proj", "down_proj"):
+            w = experts._projection(name)
+            dense.append(w.dequantize(torch.float32) if isinstance(w, Mxfp4Weight) else w.float())
+        biases = [None if b is None else b.float()
+                  for b in (experts.gate_up_proj_bias, experts.down_proj_bias)]  # fmt: skip
+        return moe_ops.grouped(x.float(), ids, weights.float(), *dense, experts.activation,
+                               *biases)  # fmt: skip
+
+
+def _rel(ours, ref) -> float:
+    return ((ours.float() - ref).norm() / ref.norm()).item()
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location("moe_triton_old", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+if __name__ == "__main__":
+    main()
