@@ -1,6 +1,6 @@
-"""The batch-1 MoE expert launches (issue 17), variants side by side on the lent GPU: the
-committed kernels against the tensor-core MXFP4 GEMV (kernels/fourbit.py, either operand order)
-and the CUDA-core one, over tiles and warps, on 8 distinct random layers of the gpt-oss-20b
+"""The batch-1 MoE expert launches (issue 17), variants side by side on the lent GPU: a
+previous moe_triton.py (--old) against the committed one and its GEMV tiles (columns per
+program, K tile, warps), on 8 distinct random layers of the gpt-oss-20b
 (MXFP4) and Qwen3-30B-A3B shapes replayed from one CUDA graph. Each variant's output is checked
 against dequantize-then-matmul first (relative error); the share is of the roofline from the
 distinct routed experts' bytes over the copy bandwidth measured in the same run.
@@ -53,8 +53,10 @@ def main() -> None:
                 try:
                     err = max(_rel(_forward(kernels.moe_triton, b, x), r)
                               for b, r in zip(layers, reference, strict=True))  # fmt: skip
-                    ms = time_ms(lambda x=x: [_forward(kernels.moe_triton, b, x) for b in layers],
-                                 args.iters, "cuda", graph=True)  # fmt: skip
+                    def step(x=x, layers=layers):
+                        return [_forward(kernels.moe_triton, b, x) for b in layers]
+
+                    ms = time_ms(step, args.iters, "cuda", graph=True)
                 except Exception as exc:  # a tile that does not compile is a row, not a crash
                     print(f"| {name} | {batch} | {variant} | failed: {type(exc).__name__}: "
                           f"{str(exc)[:200]} | | |")  # fmt: skip
@@ -71,33 +73,29 @@ def main() -> None:
 
 
 def _variants(mxfp4: bool, with_old: bool):
-    """(name, setup(module) -> restore) pairs."""
+    """(name, setup(module) -> restore) pairs: the committed kernels, then GEMV_TILES choices."""
     from noesis.kernels.moe_triton import Tiles
 
-    def knobs(mode=None, tiles=None):
+    def tiles(gate_up, down):
         def setup(module):
-            saved = (module.MMA_MODE, module.MMA_TILES)
-            if mode is not None:
-                module.MMA_MODE = mode
-            if tiles is not None:
-                module.MMA_TILES = tiles
-            return lambda: (setattr(module, "MMA_MODE", saved[0]),
-                            setattr(module, "MMA_TILES", saved[1]))  # fmt: skip
+            saved = dict(module.GEMV_TILES)
+            module.GEMV_TILES = {**saved, mxfp4: (Tiles(*gate_up), Tiles(*down))}
+            return lambda: setattr(module, "GEMV_TILES", saved)
 
         return setup
 
     if with_old:
         yield "old", lambda module: (lambda: None)
-    yield "new default", knobs()
-    if not mxfp4:
-        return
-    yield "cuda cores", knobs(mode=0)
-    for mode in (1, 2):
-        for up_n, down_n in ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64)):
-            for warps in (4, 8):
-                tiles = (Tiles(up_n, 512, warps), Tiles(down_n, 512, warps))
-                yield f"mma{mode} gate_up {2 * up_n} rows, down {down_n}, {warps} warps", knobs(
-                    mode, tiles)
+    yield "new default", lambda module: (lambda: None)
+    if mxfp4:
+        ups = [(8, 512, 4), (8, 256, 4), (16, 512, 4), (8, 512, 2), (4, 512, 2)]
+        downs = [(8, 1024, 4), (8, 512, 4), (16, 512, 4), (4, 1024, 2)]
+    else:
+        ups = [(16, 256, 4), (8, 256, 4), (16, 512, 4), (32, 256, 4), (8, 512, 2)]
+        downs = [(16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 512, 4)]
+    for up in ups:
+        for down in downs:
+            yield f"tiles gate_up {up}, down {down}", tiles(up, down)
 
 
 def _forward(module, block, x):

@@ -4,12 +4,13 @@ the weights in the model dtype or MXFP4-packed (dequantized tile by tile inside 
 Two layouts of the (token, expert) pairs, both free of host syncs and of data-dependent shapes,
 so a CUDA graph captures them:
 - few pairs (decode): each pair is its own row, a GEMV against its expert's weights. gate_up
-  runs over (pair, column block) programs; down over (token, column block) programs that loop
-  over the token's k experts, apply the routing weights and sum, so nothing follows the kernel.
+  and down run over (pair, column block) programs (at batch 1 a token's k experts side by
+  side, not one after another); down writes each pair's weighted row in float32 and a small
+  kernel sums the k slots in order.
 - more pairs: the pairs are sorted by expert on the device into blocks of BLOCK_M rows, each
   expert's rows padded to a whole block in buffers sized for the worst case (as fused-MoE
-  kernels do); each block runs a tiled tl.dot against its one expert. down writes each pair's
-  weighted row in float32 and a sum over the k slots finishes.
+  kernels do); each block runs a tiled tl.dot against its one expert. down finishes as in
+  the decode layout.
 
 MXFP4 (gpt-oss's layout, weights/mxfp4.py): blocks [E, N, K / 32, 16] uint8 hold two E2M1 codes
 per byte (the low nibble first), scales [E, N, K / 32] uint8 biased exponents. A byte tile
@@ -20,14 +21,12 @@ Every sum is float32; values are rounded to the model dtype where the PyTorch pa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from noesis.kernels.fourbit import GROUP_ROWS, group_columns, unpack_e2m1
 from noesis.weights.mxfp4 import Mxfp4Weight
 
 Weight = torch.Tensor | Mxfp4Weight
@@ -47,10 +46,6 @@ class Tiles:
 # a sweep on the H100 at batch 1 (gpt-oss-20b and Qwen3-30B-A3B shapes, RESULTS.md).
 GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(16, 256, 4)),
               True: (Tiles(8, 512, 4), Tiles(8, 1024, 4))}  # fmt: skip
-# MXFP4 with bfloat16 activations on the tensor cores (kernels/fourbit.py): gate_up's programs
-# hold 2 * block_n rows, down's block_n; a K tile is 16 groups of 32 columns.
-MMA_TILES = (Tiles(32, 512, 4), Tiles(32, 512, 4))
-MMA_MODE = 0  # off: slower than the CUDA cores on an H200 (RESULTS.md); 1: the weight tile is the MMA's left operand; 2: the right one (x spread left)
 SORTED = Tiles(64, 64, 4)
 
 
@@ -118,33 +113,22 @@ def align_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int):
 def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
-    mma = _mma(x, gate_up)
-    tiles = MMA_TILES[0] if mma else GEMV_TILES[isinstance(gate_up, Mxfp4Weight)][0]
+    tiles = GEMV_TILES[isinstance(gate_up, Mxfp4Weight)][0]
     _gemv_gate_up[(tokens * top_k, triton.cdiv(inner, tiles.block_n))](
         x, ids, *_operands(gate_up), _or(gate_up_bias, x), act, glu["limit"], glu["alpha"],
-        TOP_K=top_k, H=hidden, I=inner, MXFP4=isinstance(gate_up, Mxfp4Weight), MMA=mma,
+        TOP_K=top_k, H=hidden, I=inner, MXFP4=isinstance(gate_up, Mxfp4Weight),
         HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"], BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
     )  # fmt: skip
-    mma = _mma(x, down)
-    tiles = MMA_TILES[1] if mma else GEMV_TILES[isinstance(down, Mxfp4Weight)][1]
+    tiles = GEMV_TILES[isinstance(down, Mxfp4Weight)][1]
     partial = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _gemv_down[(tokens * top_k, triton.cdiv(hidden, tiles.block_n))](
         act, ids, weights, *_operands(down), _or(down_bias, x), partial,
-        H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight), MMA=mma,
+        H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
         HAS_BIAS=down_bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps,
     )  # fmt: skip
     return _sum_slots(partial, tokens, top_k, x.dtype)
-
-
-def _mma(x: torch.Tensor, weight: Weight) -> int:
-    """MXFP4 weights against bfloat16 activations run on the tensor cores (compiled CUDA only:
-    the unpacking is inline PTX): MMA_MODE, else 0."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if isinstance(weight, Mxfp4Weight) and x.dtype == torch.bfloat16 and not interpreted:
-        return MMA_MODE
-    return 0
 
 
 def _sum_slots(partial: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype):
@@ -230,8 +214,7 @@ def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
 def _gemv_gate_up(
     x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, limit, alpha,
     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
-    MMA: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T): one pair, BLOCK_N columns of gate and
     the same of up, read as 2 * BLOCK_N interleaved rows (gate, up, gate, ...)."""
@@ -241,8 +224,7 @@ def _gemv_gate_up(
     cols = tl.program_id(1) * BLOCK_N + r // 2
     rows = cols + (r % 2) * I
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * H
-    acc = _gemv(x_row, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4, MMA, 2 * BLOCK_N,
-                BLOCK_K)
+    acc = _gemv(x_row, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4, 2 * BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * 2 * I + rows, mask=cols < I, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(acc.to(act_ptr.dtype.element_ty), (BLOCK_N, 2)))
@@ -255,8 +237,8 @@ def _gemv_gate_up(
 @triton.jit
 def _gemv_down(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
-    H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, MMA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[p, cols] = weight[p] * (act[p] @ down[ids[p]].T) in float32, one pair per program
     (a token's k pairs run side by side; _sum_slots_kernel adds them)."""
@@ -265,7 +247,7 @@ def _gemv_down(
     col_ok = cols < H
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     act_row = act_ptr + pair.to(tl.int64) * I
-    y = _gemv(act_row, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4, MMA, BLOCK_N, BLOCK_K)
+    y = _gemv(act_row, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert * H + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = y.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -347,31 +329,10 @@ def _sorted_down(
 
 @triton.jit
 def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.constexpr,
-          MXFP4: tl.constexpr, MMA: tl.constexpr, ROWS: tl.constexpr,
-          BLOCK_K: tl.constexpr):  # fmt: skip
+          MXFP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles. MXFP4 sums each block of
-    32 products unscaled, then scales the block's sum once: on the tensor cores (MMA, bfloat16
-    x, BLOCK_K = 32 * GROUP_ROWS) as [ROWS, groups] partial sums of each tile against x spread
-    over its groups (kernels/fourbit.py), else on the CUDA cores."""
-    TRANS: tl.constexpr = MMA == 2
-    if MMA:
-        HALF: tl.constexpr = BLOCK_K // 2
-        acc = tl.zeros((ROWS, GROUP_ROWS), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + 2 * tl.arange(0, HALF)
-            x_even = tl.load(x_row + cols, mask=cols < K, other=0.0)
-            x_odd = tl.load(x_row + cols + 1, mask=cols < K, other=0.0)
-            packed, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, k0, N, K, BLOCK_K)
-            even, odd = unpack_e2m1(packed)  # exact values, not times 2^-14 as _e2m1's
-            if TRANS:
-                part = tl.dot(tl.trans(group_columns(x_even, 16)), tl.trans(even))
-                part = tl.dot(tl.trans(group_columns(x_odd, 16)), tl.trans(odd), part)
-                acc += tl.trans(part) * (scale * (1.0 / 16384.0))
-            else:
-                part = tl.dot(even, group_columns(x_even, 16))
-                part = tl.dot(odd, group_columns(x_odd, 16), part)
-                acc += part * (scale * (1.0 / 16384.0))
-    elif MXFP4:
+    32 products unscaled, then scales the block's sum once."""
+    if MXFP4:
         acc = tl.zeros((ROWS, BLOCK_K // 32), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)

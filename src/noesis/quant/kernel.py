@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-
-from noesis.kernels.fourbit import GROUP_ROWS, group_columns, unpack_u4, unpack_u4_half
 
 DECODE_ROWS = 16  # rows 2..DECODE_ROWS share one tuned config (one 16-row tile)
 BATCH_ROWS = 128  # batches up to this many rows take the decode launch; longer ones prefill's
@@ -296,66 +293,6 @@ def _dot(a, b):
 
 
 @triton.jit
-def _packed_gemv_mma(
-    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, y_ptr, N, stride_ys,
-    K: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, K_SPLIT: tl.constexpr,
-    ZERO: tl.constexpr, HAS_MIN: tl.constexpr, STAGES: tl.constexpr, TRANS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One row of 4-bit codes on the tensor cores (kernels/fourbit.py): y[split] [N] = W[:,
-    split's K range] @ x. A K tile's bytes (W as uint8 [N, K / 2]: codes 2j and 2j + 1 in byte
-    j's low and high nibble) unpack to M + code (M = 128 in bfloat16, 1024 in float16, exact),
-    the even and odd columns apart; their dot with x spread over the tile's groups gives each
-    group's sum P_g = sum x (M + code) for every row; then per group, with X_g = sum x,
-    y += scale (P_g - (M + zero) X_g) (+ min X_g). TRANS: x spread is the MMA's left operand
-    (the weights the right, from shared memory), else the weights are the left one."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # columns per group in a tile
-    TILE_GROUPS: tl.constexpr = BLOCK_K // SPAN
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    MAGIC: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    w_rows = w_ptr + (rows.to(tl.int64) * (K // 2))[:, None]
-    t = tl.arange(0, GROUP_ROWS)
-    half = tl.arange(0, HALF)
-    acc = tl.zeros([BLOCK_N, GROUP_ROWS], dtype=tl.float32)
-    for byte0 in tl.range(split * (K_SPLIT // 2), (split + 1) * (K_SPLIT // 2), HALF,
-                          num_stages=STAGES):  # byte offsets: their alignment stays known
-        j = byte0 + half
-        packed = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < K // 2)[None, :],
-                         other=0)
-        k0 = 2 * byte0
-        cols = k0 + 2 * half
-        x_even = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        x_odd = tl.load(x_ptr + cols + 1, mask=cols < K, other=0.0)
-        if DTYPE == tl.bfloat16:
-            even, odd = unpack_u4(packed)
-        else:
-            even, odd = unpack_u4_half(packed)
-        spread_even = group_columns(x_even, SPAN // 2)  # [HALF, 16]
-        spread_odd = group_columns(x_odd, SPAN // 2)
-        if TRANS:
-            part = tl.dot(tl.trans(spread_even), tl.trans(even))
-            part = tl.trans(tl.dot(tl.trans(spread_odd), tl.trans(odd), part))
-        else:
-            part = tl.dot(even, spread_even)
-            part = tl.dot(odd, spread_odd, part)
-        sums = tl.sum(spread_even.to(tl.float32), 0) + tl.sum(spread_odd.to(tl.float32), 0)
-        group = k0 // GROUP + t
-        at = rows[:, None] * GROUPS + group[None, :]  # [BN, 16]
-        ok = row_ok[:, None] & ((t < TILE_GROUPS) & (group < GROUPS))[None, :]
-        scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        offset = _zero_point(z_ptr, at, ok, ZERO, MAGIC)
-        acc += scale * (part - offset * sums[None, :])
-        if HAS_MIN:
-            acc += tl.load(m_ptr + at, mask=ok, other=0.0).to(tl.float32) * sums[None, :]
-    y = tl.sum(acc, 1)
-    tl.store(y_ptr + split * stride_ys + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
 def _dequantize(q, cols, col_ok, k0, ks, s_ptr, z_ptr, m_ptr, g_ptr, K: tl.constexpr,
                 BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
                 ACT_ORDER: tl.constexpr, SUB: tl.constexpr, ZERO: tl.constexpr,
@@ -459,8 +396,6 @@ def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     assert qweight.shape[1] * (32 // bits) == k and x.stride(1) == 1
     if m > BATCH_ROWS:
         return _prefill(x, qweight, scales, qzeros, groups, bits, group_size, mins)
-    if ROW_MMA and config is None and _row_on_tensor_cores(x, bits, groups, group_size):
-        return _row_mma(x, qweight, scales, qzeros, group_size, mins, ROW_MMA)
     config = config or gemv_config(bits, n, k, m, x.device)
     block_k = max(min(config.block_k, triton.next_power_of_2(k)), 4 * (32 // bits))
     sub = _run_length(groups, scales.shape[1], group_size, block_k)
@@ -489,53 +424,6 @@ def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     else:
         _packed_gemv[(programs, splits)](x, qweight, scales, zeros, mins_or_any, y, n, n,
                                          field_mask(bits), EVEN=k % k_split == 0, **shape)
-    return y[0] if splits == 1 else y.sum(0).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class RowMma:
-    """The tensor-core one-row launch (_packed_gemv_mma): rows per program, K tile (at most 16
-    groups), warps, stages, operand order (TRANS), programs aimed at (split over K to reach)."""
-
-    block_n: int = 32
-    block_k: int = 512
-    warps: int = 4
-    stages: int = 3
-    trans: bool = True
-    programs: int = TARGET_PROGRAMS
-
-
-ROW_MMA = None  # off: slower than the CUDA-core kernel on an H200 (RESULTS.md)
-
-
-def _row_on_tensor_cores(x: torch.Tensor, bits: int, groups, group_size: int) -> bool:
-    """One row of 4-bit codes in consecutive power-of-two groups, half-precision activations,
-    compiled CUDA (the unpacking is inline PTX)."""
-    return (x.shape[0] == 1 and bits == 4 and groups is None and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and group_size & (group_size - 1) == 0 and group_size >= 32
-            and os.environ.get("TRITON_INTERPRET") != "1")  # fmt: skip
-
-
-def _row_mma(x, qweight, scales, qzeros, group_size, mins, launch: RowMma):
-    k = x.shape[1]
-    n = qweight.shape[0]
-    block_k = min(launch.block_k, 16 * group_size, triton.next_power_of_2(k))
-    programs = triton.cdiv(n, launch.block_n)
-    k_tiles = triton.cdiv(k, block_k)
-    splits = min(max(1, launch.programs // programs), k_tiles)
-    k_split = triton.cdiv(k_tiles, splits) * block_k
-    splits = triton.cdiv(k, k_split)
-    y = torch.empty(splits, 1, n, device=x.device,
-                    dtype=x.dtype if splits == 1 else torch.float32)  # fmt: skip
-    constant_zero = isinstance(qzeros, int)
-    _packed_gemv_mma[(programs, splits)](
-        x, qweight.view(torch.uint8), scales, scales if constant_zero else qzeros,
-        scales if mins is None else mins, y, n, n,
-        K=k, GROUP=group_size, GROUPS=scales.shape[1], K_SPLIT=k_split,
-        ZERO=qzeros if constant_zero else -1, HAS_MIN=mins is not None, STAGES=launch.stages,
-        TRANS=launch.trans, BLOCK_N=launch.block_n, BLOCK_K=block_k, num_warps=launch.warps,
-    )  # fmt: skip
     return y[0] if splits == 1 else y.sum(0).to(x.dtype)
 
 
