@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_moe import SHAPES, build_layer, copy_bandwidth, expert_bytes_read, time_ms  # noqa: E402
+from gpu_moe import (  # noqa: E402
+    SHAPES,
+    _forward,
+    build_layer,
+    copy_bandwidth,
+    expert_bytes_read,
+    time_ms,
+)
 
 
 def main() -> None:
@@ -48,13 +55,14 @@ def main() -> None:
             roofline_ms = read / bandwidth * 1e3
             reference = [_reference(block, x) for block in layers]
             for variant, setup in _variants(shape.mxfp4, old is not None):
+                # gpu_moe._forward imports noesis.kernels.moe_triton: the package attribute
                 kernels.moe_triton = old if variant == "old" else moe_triton
                 restore = setup(moe_triton)
                 try:
-                    err = max(_rel(_forward(kernels.moe_triton, b, x), r)
+                    err = max(_rel(_forward(b, x), r)
                               for b, r in zip(layers, reference, strict=True))  # fmt: skip
                     def step(x=x, layers=layers):
-                        return [_forward(kernels.moe_triton, b, x) for b in layers]
+                        return [_forward(b, x) for b in layers]
 
                     ms = time_ms(step, args.iters, "cuda", graph=True)
                 except Exception as exc:  # a tile that does not compile is a row, not a crash
@@ -96,17 +104,6 @@ def _variants(mxfp4: bool, with_old: bool):
     for up in ups:
         for down in downs:
             yield f"tiles gate_up {up}, down {down}", tiles(up, down)
-
-
-def _forward(module, block, x):
-    from noesis.kernels import moe as moe_ops
-
-    weights, ids = moe_ops.route(block.router(x), block.top_k, block.routing, block.renormalize)
-    experts = block.experts
-    projections = (experts._projection("gate_up_proj"), experts._projection("down_proj"))
-    return module.experts(x, ids, weights, *projections, experts.activation.limit,
-                          experts.activation.alpha, experts.gate_up_proj_bias,
-                          experts.down_proj_bias)  # fmt: skip
 
 
 def _reference(block, x):
