@@ -1,6 +1,7 @@
-"""The batch-1 MoE expert launches (issue 17), variants side by side on the lent GPU: a
-previous moe_triton.py (--old) against the committed one and its GEMV tiles (columns per
-program, K tile, warps), on 8 distinct random layers of the gpt-oss-20b
+"""The batch-1 MoE layers (issue 17), variants side by side on the lent GPU: a previous
+moe_triton.py's experts (--old) and the committed ones, with torch's routing ops and with the
+fused routing kernel, and (--tiles) the GEMV tiles (columns per program, K tile, warps), on 8
+distinct random layers of the gpt-oss-20b
 (MXFP4) and Qwen3-30B-A3B shapes replayed from one CUDA graph. Each variant's output is checked
 against dequantize-then-matmul first (relative error); the share is of the roofline from the
 distinct routed experts' bytes over the copy bandwidth measured in the same run.
@@ -35,10 +36,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--tiles", action="store_true", help="also sweep GEMV_TILES")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    import noesis.kernels as kernels
-    from noesis.kernels import moe_triton
 
     bandwidth = copy_bandwidth("cuda", 1 << 30)
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
@@ -54,13 +54,12 @@ def main() -> None:
             read = sum(expert_bytes_read(block, x) for block in layers)
             roofline_ms = read / bandwidth * 1e3
             reference = [_reference(block, x) for block in layers]
-            for variant, setup in _variants(shape.mxfp4, old is not None):
-                # gpu_moe._forward imports noesis.kernels.moe_triton: the package attribute
-                kernels.moe_triton = old if variant == "old" else moe_triton
-                restore = setup(moe_triton)
+            for variant, setup in _variants(shape.mxfp4, old, args.tiles):
+                restore = setup()
                 try:
                     err = max(_rel(_forward(b, x), r)
                               for b, r in zip(layers, reference, strict=True))  # fmt: skip
+
                     def step(x=x, layers=layers):
                         return [_forward(b, x) for b in layers]
 
@@ -71,7 +70,6 @@ def main() -> None:
                     continue
                 finally:
                     restore()
-                    kernels.moe_triton = moe_triton
                 share = roofline_ms / ms
                 rows.append(dict(shape=name, batch=batch, variant=variant, ms=ms, share=share,
                                  error=err, read_mb=read / 1e6))  # fmt: skip
@@ -80,21 +78,37 @@ def main() -> None:
         args.json.write_text(json.dumps(dict(bandwidth=bandwidth, rows=rows), indent=1))
 
 
-def _variants(mxfp4: bool, with_old: bool):
-    """(name, setup(module) -> restore) pairs: the committed kernels, then GEMV_TILES choices."""
+def _variants(mxfp4: bool, old, sweep_tiles: bool):
+    """(name, setup() -> restore) pairs: an older moe_triton module's experts with torch's
+    routing, the committed experts with torch's routing and with the fused one (the default),
+    then GEMV_TILES choices. gpu_moe._forward reads noesis.kernels.moe.route and the package
+    attribute noesis.kernels.moe_triton when it runs, so patching those swaps the variant."""
+    import noesis.kernels as kernels
+    from noesis.kernels import moe as moe_ops
+    from noesis.kernels import moe_triton
     from noesis.kernels.moe_triton import Tiles
 
-    def tiles(gate_up, down):
-        def setup(module):
-            saved = dict(module.GEMV_TILES)
-            module.GEMV_TILES = {**saved, mxfp4: (Tiles(*gate_up), Tiles(*down))}
-            return lambda: setattr(module, "GEMV_TILES", saved)
+    def patch(experts=moe_triton, route=moe_ops.route, tiles=None):
+        def setup():
+            saved = (kernels.moe_triton, moe_ops.route, dict(moe_triton.GEMV_TILES))
+            kernels.moe_triton, moe_ops.route = experts, route
+            if tiles is not None:
+                moe_triton.GEMV_TILES = {**saved[2], mxfp4: (Tiles(*tiles[0]), Tiles(*tiles[1]))}
+
+            def restore():
+                kernels.moe_triton, moe_ops.route = saved[:2]
+                moe_triton.GEMV_TILES = saved[2]
+
+            return restore
 
         return setup
 
-    if with_old:
-        yield "old", lambda module: (lambda: None)
-    yield "new default", lambda module: (lambda: None)
+    if old is not None:
+        yield "old experts, torch routing", patch(experts=old, route=moe_ops.torch_route)
+    yield "torch routing", patch(route=moe_ops.torch_route)
+    yield "fused routing (default)", patch()
+    if not sweep_tiles:
+        return
     if mxfp4:
         ups = [(8, 512, 4), (8, 256, 4), (16, 512, 4), (8, 512, 2), (4, 512, 2)]
         downs = [(8, 1024, 4), (8, 512, 4), (16, 512, 4), (4, 1024, 2)]
@@ -103,7 +117,7 @@ def _variants(mxfp4: bool, with_old: bool):
         downs = [(16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 512, 4)]
     for up in ups:
         for down in downs:
-            yield f"tiles gate_up {up}, down {down}", tiles(up, down)
+            yield f"tiles gate_up {up}, down {down}", patch(tiles=(up, down))
 
 
 def _reference(block, x):
@@ -112,8 +126,8 @@ def _reference(block, x):
     from noesis.weights.mxfp4 import Mxfp4Weight
 
     with torch.no_grad():
-        weights, ids = moe_ops.route(block.router(x), block.top_k, block.routing,
-                                     block.renormalize)  # fmt: skip
+        weights, ids = moe_ops.torch_route(block.router(x), block.top_k, block.routing,
+                                           block.renormalize)  # fmt: skip
         experts = block.experts
         dense = []
         for name in ("gate_up_proj", "down_proj"):

@@ -62,12 +62,13 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen) ->
 
 
 def write_weights(out: Path, shapes: dict, dtype: torch.dtype, seed: int,
-                  device: str = "cpu") -> None:
+                  device: str = "cpu", draw=random_tensor) -> None:
+    """Tensors `draw(name, shape, dtype, generator)` (on the CPU) in shards of SHARD_BYTES."""
     gen = torch.Generator(device=device).manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, shape in shapes.items():
-        tensor = random_tensor(name, shape, dtype, gen)
+        tensor = draw(name, shape, dtype, gen)
         if size and size + tensor.nbytes > SHARD_BYTES:
             shards.append({})
             size = 0

@@ -92,3 +92,22 @@ def test_graph_replay_equals_eager(name, tokens):
 def test_layouts_switch_where_expected():
     assert moe_triton.uses_gemv(4, 32, 4) and moe_triton.uses_gemv(32, 128, 8)
     assert not moe_triton.uses_gemv(256, 32, 4)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_fused_routing_matches_torch(name, tokens):
+    experts, top_k = SHAPES[name][:2]
+    routing, renormalize = ("topk_softmax", False) if name == "gpt-oss-20b" else ("softmax_topk",
+                                                                                True)  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    # distinct multiples of 1/16, exact in bf16: no ties for the two to break differently
+    logits = torch.stack([torch.randperm(256, device="cuda", generator=gen)[:experts]
+                          for _ in range(tokens)])  # fmt: skip
+    logits = ((logits.float() - 128) / 16).to(torch.bfloat16)
+    weights, ids = moe.route(logits, top_k, routing, renormalize)  # the fused kernel on CUDA
+    want_weights, want_ids = moe.torch_route(logits, top_k, routing, renormalize)
+    assert torch.equal(ids, want_ids)
+    assert weights.dtype == want_weights.dtype
+    torch.testing.assert_close(weights, want_weights, rtol=1e-2 if weights.dtype ==
+                               torch.bfloat16 else 1e-5, atol=0)  # fmt: skip

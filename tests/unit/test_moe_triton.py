@@ -131,3 +131,41 @@ def test_mxfp4_experts_load_packed_and_info_prices_them(checkpoints, tmp_path):
             assert torch.equal(ours._projection(name).dequantize(), getattr(default, name))
     info = describe_checkpoint(packed_dir)
     assert "dequantized" in info["weights in memory"] and "packed" in info["mxfp4 experts"]
+
+
+@pytest.mark.parametrize(
+    "experts, top_k, routing, renormalize, dtype",
+    [
+        (8, 2, "softmax_topk", True, torch.float32),  # Mixtral
+        (128, 8, "softmax_topk", True, torch.bfloat16),  # Qwen3-MoE
+        (60, 4, "softmax_topk", False, torch.float32),  # not a power of two, not renormalized
+        (32, 4, "topk_softmax", False, torch.bfloat16),  # gpt-oss
+        (32, 3, "topk_softmax", False, torch.float32),
+    ],
+)
+def test_fused_routing_equals_torch(experts, top_k, routing, renormalize, dtype):
+    gen = torch.Generator().manual_seed(experts + top_k)
+    # distinct multiples of 1/16 in [-8, 8), exact in bf16 (no ties to break); in float32 one
+    # token far below zero, where an unshifted softmax over the top k would underflow
+    logits = torch.stack([torch.randperm(256, generator=gen)[:experts] for _ in range(5)])
+    logits = (logits.float() - 128) / 16
+    if dtype == torch.float32:
+        logits[4] -= 300
+    logits = logits.to(dtype)
+    want_weights, want_ids = moe.torch_route(logits.float(), top_k, routing, renormalize)
+    weights, ids = moe_triton.route(logits, top_k, routing, renormalize)
+    assert weights.dtype == (torch.float32 if routing == "softmax_topk" else dtype)
+    assert ids.dtype == torch.int64 and torch.equal(ids, want_ids)
+    # float32 arithmetic rounded once to the weights' dtype (within one bf16 step: Triton's
+    # interpreter truncates where the GPU rounds to nearest)
+    tol = 1e-5 if weights.dtype == torch.float32 else 2**-7
+    assert torch.allclose(weights.float(), want_weights, rtol=tol, atol=0), (weights, want_weights)
+    if routing == "softmax_topk":  # renormalizing changes the weights
+        other, _ = moe_triton.route(logits, top_k, routing, not renormalize)
+        assert not torch.allclose(other, weights)
+
+
+def test_fused_routing_takes_the_lowest_expert_of_equal_logits():
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 2.0, -1.0, 0.0, 2.0]])
+    _, ids = moe_triton.route(logits, 3, "softmax_topk", True)
+    assert ids.tolist() == [[1, 3, 4]]

@@ -43,7 +43,17 @@ def route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
     "softmax_topk": softmax over all experts in float32, the top k, renormalized to sum 1 when
     asked (Qwen3-MoE's norm_topk_prob; Mixtral always); "topk_softmax": the top k logits, then a
     softmax over them (gpt-oss). Weights come back float32 for softmax_topk (as Mixtral keeps
-    them), in the logits' dtype for topk_softmax."""
+    them), in the logits' dtype for topk_softmax. On CUDA one fused launch
+    (moe_triton.route), elsewhere `torch_route`."""
+    if logits.is_cuda:
+        from noesis.kernels import moe_triton
+
+        return moe_triton.route(logits, top_k, routing, renormalize)
+    return torch_route(logits, top_k, routing, renormalize)
+
+
+def torch_route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
+    """`route` in PyTorch ops, on any device (the reference of the fused kernel)."""
     if routing == "topk_softmax":
         values, ids = torch.topk(logits, top_k, dim=-1)
         return torch.softmax(values, dim=-1), ids

@@ -87,6 +87,24 @@ def experts(
     return _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
 
 
+def route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
+    """noesis.kernels.moe.route in one launch (a program per token) instead of torch's three to
+    five (softmax, topk, sum, divide): the same float32 arithmetic, the same output dtypes;
+    equal logits are taken lowest expert first."""
+    tokens, num_experts = logits.shape
+    softmax_first = routing != "topk_softmax"
+    dtype = torch.float32 if softmax_first else logits.dtype
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits.contiguous(), weights, ids, E=num_experts, TOP_K=top_k,
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+            SOFTMAX_FIRST=softmax_first, RENORMALIZE=softmax_first and renormalize,
+        )  # fmt: skip
+    return weights, ids
+
+
 def align_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int):
     """Pair ids [P] -> (rows [R] int32: the pair in each row, P on padding rows; experts [B]
     int32: the expert of each block of block_m rows, -1 past the last used block). R = B *
@@ -208,6 +226,40 @@ def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
 
 
 # ---- kernels ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    """One token: softmax over the experts then the top k (renormalized if asked), or the top
+    k logits then a softmax over them; k passes of max / lowest index of the max."""
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + token * E + experts, mask=experts < E, other=float("-inf"))
+    scores = logits.to(tl.float32)
+    if SOFTMAX_FIRST:
+        exp = tl.exp(scores - tl.max(scores, 0))
+        scores = tl.where(experts < E, exp / tl.sum(exp, 0), float("-inf"))
+    slots = tl.arange(0, BLOCK_K)
+    values = tl.full((BLOCK_K,), float("-inf"), tl.float32)  # slots past k stay -inf
+    chosen = tl.zeros((BLOCK_K,), tl.int64)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(scores, 0)
+        index = tl.min(tl.where(scores == best, experts, BLOCK_E), 0)
+        values = tl.where(slots == slot, best, values)
+        chosen = tl.where(slots == slot, index.to(tl.int64), chosen)
+        scores = tl.where(experts == index, float("-inf"), scores)
+    if not SOFTMAX_FIRST:
+        exp = tl.exp(values - tl.max(values, 0))  # 0 past k
+        values = exp / tl.sum(exp, 0)
+    if RENORMALIZE:
+        values = values / tl.sum(tl.where(slots < TOP_K, values, 0.0), 0)
+    out = token * TOP_K + slots
+    tl.store(weights_ptr + out, values.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    tl.store(ids_ptr + out, chosen, mask=slots < TOP_K)
 
 
 @triton.jit
