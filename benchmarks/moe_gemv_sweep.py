@@ -36,7 +36,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--tiles", action="store_true", help="also sweep GEMV_TILES")
+    parser.add_argument("--tiles", choices=["gemv", "sorted"],
+                        help="also sweep GEMV_TILES (batch 1) or SORTED (larger batches)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -78,26 +79,30 @@ def main() -> None:
         args.json.write_text(json.dumps(dict(bandwidth=bandwidth, rows=rows), indent=1))
 
 
-def _variants(mxfp4: bool, old, sweep_tiles: bool):
+def _variants(mxfp4: bool, old, sweep_tiles: str | None):
     """(name, setup() -> restore) pairs: an older moe_triton module's experts with torch's
     routing, the committed experts with torch's routing and with the fused one (the default),
-    then GEMV_TILES choices. gpu_moe._forward reads noesis.kernels.moe.route and the package
-    attribute noesis.kernels.moe_triton when it runs, so patching those swaps the variant."""
+    then GEMV_TILES or SORTED choices. gpu_moe._forward reads noesis.kernels.moe.route
+    and the package attribute noesis.kernels.moe_triton when it runs, so patching those swaps
+    the variant."""
     import noesis.kernels as kernels
     from noesis.kernels import moe as moe_ops
     from noesis.kernels import moe_triton
     from noesis.kernels.moe_triton import Tiles
 
-    def patch(experts=moe_triton, route=moe_ops.route, tiles=None):
+    def patch(experts=moe_triton, route=moe_ops.route, tiles=None, sorted_tiles=None):
         def setup():
-            saved = (kernels.moe_triton, moe_ops.route, dict(moe_triton.GEMV_TILES))
+            saved = (kernels.moe_triton, moe_ops.route, dict(moe_triton.GEMV_TILES),
+                     moe_triton.SORTED)  # fmt: skip
             kernels.moe_triton, moe_ops.route = experts, route
             if tiles is not None:
                 moe_triton.GEMV_TILES = {**saved[2], mxfp4: (Tiles(*tiles[0]), Tiles(*tiles[1]))}
+            if sorted_tiles is not None:
+                moe_triton.SORTED = Tiles(*sorted_tiles)
 
             def restore():
                 kernels.moe_triton, moe_ops.route = saved[:2]
-                moe_triton.GEMV_TILES = saved[2]
+                moe_triton.GEMV_TILES, moe_triton.SORTED = saved[2:]
 
             return restore
 
@@ -107,7 +112,13 @@ def _variants(mxfp4: bool, old, sweep_tiles: bool):
         yield "old experts, torch routing", patch(experts=old, route=moe_ops.torch_route)
     yield "torch routing", patch(route=moe_ops.torch_route)
     yield "fused routing (default)", patch()
-    if not sweep_tiles:
+    if sweep_tiles == "sorted":
+        for block_n in (32, 64, 128):
+            for block_k in (64, 128, 256):
+                for warps in (4, 8):
+                    tiles = (block_n, block_k, warps)
+                    yield f"sorted tiles {tiles}", patch(sorted_tiles=tiles)
+    if sweep_tiles != "gemv":
         return
     if mxfp4:
         ups = [(8, 512, 4), (8, 256, 4), (16, 512, 4), (8, 512, 2), (4, 512, 2)]
