@@ -384,24 +384,48 @@ def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.cons
           MXFP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles. MXFP4 sums each block of
     32 products unscaled, then scales the block's sum once."""
+    # Each iteration issues the next tile's loads before it computes on this one (a plain
+    # range loop is not software-pipelined: launch num_stages changed nothing).
     if MXFP4:
         acc = tl.zeros((ROWS, BLOCK_K // 32), tl.float32)
+        x_even, x_odd = _x_halves(x_row, 0, K, BLOCK_K)
+        packed, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            x_even = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_row + cols + 1, mask=cols < K, other=0.0).to(tl.float32)
-            packed, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, k0, N, K, BLOCK_K)
+            next_even, next_odd = _x_halves(x_row, k0 + BLOCK_K, K, BLOCK_K)
+            next_packed, next_scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok,
+                                                  k0 + BLOCK_K, N, K, BLOCK_K)  # fmt: skip
             prod = _e2m1(packed & 15) * x_even[None, :] + _e2m1(packed >> 4) * x_odd[None, :]
             acc += tl.sum(tl.reshape(prod, (ROWS, BLOCK_K // 32, 16)), axis=2) * scale
+            x_even, x_odd, packed, scale = next_even, next_odd, next_packed, next_scale
     else:
         acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
+        x, w = _plain_tile(x_row, w_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + expert * N * K + rows[:, None] * K + cols[None, :],
-                        mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+            next_x, next_w = _plain_tile(x_row, w_ptr, expert, rows, row_ok, k0 + BLOCK_K, N, K,
+                                         BLOCK_K)  # fmt: skip
             acc += w.to(tl.float32) * x[None, :]
+            x, w = next_x, next_w
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _x_halves(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's even and odd columns of the K tile at k0, float32 (0 past K)."""
+    cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    x_even = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+    x_odd = tl.load(x_row + cols + 1, mask=cols < K, other=0.0).to(tl.float32)
+    return x_even, x_odd
+
+
+@triton.jit
+def _plain_tile(x_row, w_ptr, expert, rows, row_ok, k0, N: tl.constexpr, K: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """x's K tile at k0 as float32 and W[expert, rows]'s (0 past K)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + expert * N * K + rows[:, None] * K + cols[None, :],
+                mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+    return x, w
 
 
 @triton.jit
