@@ -1,4 +1,6 @@
-"""Batch-1 decode blocks, unfused against fused, on the Llama-3.1-8B and Llama-3.2-1B shapes.
+"""Batch-1 decode blocks, unfused against fused, on the Llama-3.1-8B and Llama-3.2-1B shapes, and
+the attention, router and LM head of the gpt-oss-20b (q/k/v, o and router biases) and
+Qwen3-30B-A3B (per-head q/k norms) shapes.
 
 Unfused is what the engine runs with `ops.ONE_ROW_FUSION` off: add+RMSNorm, cuBLAS qkv, RoPE+KV
 write, the one-row o_proj GEMV, add+RMSNorm, cuBLAS gate_up, SiLU-mul, cuBLAS down (with its
@@ -10,7 +12,8 @@ no weight stays in L2 (timed from Python, a Triton launch costs tens of microsec
 the kernel). The final norm with the LM head (`norm_logits`) is swept too, once per step. The
 fused layer is also timed with programmatic dependent launch (`pdl.PDL`).
 
-    python benchmarks/gemv_fused.py [--shapes llama-8b,llama-1b] [--quick] [--json out.json]
+    python benchmarks/gemv_fused.py [--shapes llama-8b,llama-1b,gpt-oss-20b,qwen3-30b-a3b]
+        [--quick] [--json out.json]
         [--save-configs row_gemv_configs.json]
 
 The JSON's best configs load into the engine with `graph_ab.py --what fusion --tuned out.json`;
@@ -34,7 +37,12 @@ from noesis.kernels import pdl, pointwise, rope, row_gemv
 SHAPES = {
     "llama-8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128),
     "llama-1b": dict(hidden=2048, inter=8192, heads=32, kv_heads=8, head_dim=64),
-}
+    # MoE families: their experts are kernels/moe_triton.py's (benchmarks/moe_gemv_sweep.py)
+    "gpt-oss-20b": dict(hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088,
+                        experts=32, bias=True),
+    "qwen3-30b-a3b": dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936,
+                          experts=128, qk_norm=True),
+}  # fmt: skip
 LAYERS = 4
 VOCAB = 128256
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU smoke run (TRITON_INTERPRET=1): cpu, float32
@@ -44,23 +52,35 @@ EPS = 1e-5
 class Layers:
     """Random bf16 weights of LAYERS decoder layers, one token's inputs, and a paged cache."""
 
-    def __init__(self, hidden, inter, heads, kv_heads, head_dim) -> None:
+    def __init__(self, hidden, heads, kv_heads, head_dim, inter=None, vocab=None, experts=None,
+                 bias=False, qk_norm=False) -> None:
         def rand(*shape, scale=0.02):
             return torch.randn(*shape, device=DEVICE, dtype=DTYPE) * scale
 
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         qkv_rows = (heads + 2 * kv_heads) * head_dim
-        self.weights = [
-            dict(qkv=rand(qkv_rows, hidden), o=rand(hidden, heads * head_dim),
-                 gate_up=rand(2 * inter, hidden), down=rand(hidden, inter),
-                 norm1=rand(hidden, scale=0.1) + 1, norm2=rand(hidden, scale=0.1) + 1,
-                 lm_head=rand(VOCAB, hidden))
-            for _ in range(LAYERS)
-        ]
+        self.weights = []
+        for _ in range(LAYERS):
+            w = dict(qkv=rand(qkv_rows, hidden), o=rand(hidden, heads * head_dim),
+                     norm1=rand(hidden, scale=0.1) + 1, norm2=rand(hidden, scale=0.1) + 1,
+                     lm_head=rand(vocab or VOCAB, hidden))
+            if inter:
+                w.update(gate_up=rand(2 * inter, hidden), down=rand(hidden, inter))
+            if experts:
+                w.update(router=rand(experts, hidden), router_bias=rand(experts) if bias else None)
+            w["qkv_bias"] = rand(qkv_rows) if bias else None
+            w["o_bias"] = rand(hidden) if bias else None
+            if qk_norm:
+                w["qk_norm"] = (rand(head_dim, scale=0.1) + 1, rand(head_dim, scale=0.1) + 1, EPS)
+            self.weights.append(w)
+        # with q/k norms the qkv projection is a plain one; the RoPE kernel normalizes the heads
+        qkv_mode = row_gemv.PLAIN if qk_norm else row_gemv.QKV
+        self.modes = ({"qkv": qkv_mode, "o": row_gemv.PLAIN, "router": row_gemv.PLAIN,
+                       "lm_head": row_gemv.PLAIN} if experts else MODES)  # fmt: skip
         self.hidden, self.residual = rand(1, hidden, scale=1.0), rand(1, hidden, scale=1.0)
         self.stream = self.hidden + self.residual  # what the fused path carries between blocks
         self.attn = rand(1, heads * head_dim, scale=1.0)
-        self.act = rand(1, inter, scale=1.0)
+        self.act = rand(1, inter, scale=1.0) if inter else None
         angles = torch.rand(1, head_dim // 2, device=DEVICE) * 6
         self.cos = torch.cat([angles.cos()] * 2, -1)
         self.sin = torch.cat([angles.sin()] * 2, -1)
@@ -74,14 +94,24 @@ class Layers:
         normed, _ = pointwise.add_rms_norm(self.hidden if hidden is None else hidden,
                                     self.residual if residual is None else residual,
                                     w["norm1"], EPS)
-        qkv = F.linear(normed, w["qkv"])
+        qkv = F.linear(normed, w["qkv"], w["qkv_bias"])
         d = self.head_dim
         q, k, v = (t.view(1, -1, d) for t in qkv.split(self.split, -1))
+        if w.get("qk_norm"):
+            q_norm, k_norm, eps = w["qk_norm"]
+            q.copy_(pointwise.add_rms_norm(q[0], None, q_norm, eps)[0])
+            k.copy_(pointwise.add_rms_norm(k[0], None, k_norm, eps)[0])
         rope.rope_write_kv(q, k, v, self.cos, self.sin, self.slots, self.kv[0], self.kv[1])
         return qkv  # rotated in place
 
     def o_unfused(self, w):
+        if w["o_bias"] is not None:  # cuBLAS, as nn.Linear runs it
+            return F.linear(self.attn, w["o"], w["o_bias"])
         return row_gemv.gemv(self.attn, w["o"])
+
+    def router_unfused(self, w):
+        normed, _ = pointwise.add_rms_norm(self.hidden, self.residual, w["norm2"], EPS)
+        return F.linear(normed, w["router"], w["router_bias"])
 
     def gate_up_unfused(self, w):
         normed, _ = pointwise.add_rms_norm(self.hidden, self.residual, w["norm2"], EPS)
@@ -96,14 +126,28 @@ class Layers:
 
     # the fused kernels; config None takes row_gemv.ROW_GEMV_CONFIGS
     def qkv_fused(self, w, config=None, stream=None):
-        return row_gemv.norm_qkv_rope_store(self.stream if stream is None else stream,
-                                            w["norm1"], EPS, w["qkv"], self.heads, self.kv_heads,
-                                            self.cos, self.sin, self.slots, self.kv[0],
-                                            self.kv[1], config=config)
+        stream = self.stream if stream is None else stream
+        if w.get("qk_norm"):  # as ops.norm_qkv_rope_store runs it: the projection, then RoPE
+            qkv = row_gemv.norm_logits(stream, w["norm1"], EPS, w["qkv"], config=config,
+                                       bias=w["qkv_bias"], dtype=DTYPE)
+            d = self.head_dim
+            q, k, v = (t.view(1, -1, d) for t in qkv.split(self.split, -1))
+            rope.rope_write_kv(q, k, v, self.cos, self.sin, self.slots, self.kv[0], self.kv[1],
+                               qk_norm=w["qk_norm"])  # fmt: skip
+            return qkv
+        return row_gemv.norm_qkv_rope_store(stream, w["norm1"], EPS, w["qkv"], self.heads,
+                                            self.kv_heads, self.cos, self.sin, self.slots,
+                                            self.kv[0], self.kv[1], config=config,
+                                            bias=w["qkv_bias"])  # fmt: skip
 
     def o_fused(self, w, config=None, stream=None):
         return row_gemv.gemv(self.attn, w["o"], self.residual if stream is None else stream,
-                       config=config)
+                       config=config, bias=w["o_bias"])
+
+    def router_fused(self, w, config=None):
+        normed = torch.empty_like(self.stream)
+        return row_gemv.norm_logits(self.stream, w["norm2"], EPS, w["router"], config=config,
+                                    bias=w["router_bias"], normed=normed, dtype=DTYPE)
 
     def gate_up_fused(self, w, config=None, stream=None):
         return row_gemv.norm_glu(self.stream if stream is None else stream, w["norm2"], EPS,
@@ -139,6 +183,7 @@ def reference_error(layers: Layers, name: str, config) -> float:
     want = getattr(layers, f"{name}_unfused")(w).float()
     if name in ("o", "down"):
         want = (want.to(DTYPE) + layers.residual).float()
+
     got = getattr(layers, f"{name}_fused")(w, config).float()
     return float((got - want).norm() / want.norm())
 
@@ -152,6 +197,8 @@ def sweep(layers: Layers, name: str, quick: bool) -> dict:
     # K tiles or few rows per program (more programs); pipelined (3), cp.async keeps more.
     rows = (4, 8) if quick else (2, 4, 8, 16)
     tiles = (512, 1024) if quick else (512, 1024, 2048)
+    if name == "router":  # few rows: a program per row or two
+        rows = (1, 2, 4)
     paired = 2 if name in ("qkv", "gate_up") else 1
     # at most 64 weights per thread per tile (more spills registers: ptxas, sm_90), and at
     # most 96 KB of shared memory for the pipeline's tiles
@@ -162,7 +209,7 @@ def sweep(layers: Layers, name: str, quick: bool) -> dict:
     base = graph_us(lambda: [unfused(w) for w in layers.weights]) / LAYERS
     best = {"us": float("inf")}
     for config in grid:
-        if name == "qkv" and (layers.head_dim // 2) % config[0]:
+        if layers.modes[name] == row_gemv.QKV and (layers.head_dim // 2) % config[0]:
             continue
         try:
             error = reference_error(layers, name, config)
@@ -176,7 +223,7 @@ def sweep(layers: Layers, name: str, quick: bool) -> dict:
         if us < best["us"]:
             best = {"us": us, "config": list(config), "error": error}
     n, k = layers.weights[0][name].shape
-    return {"mode": MODES[name], "n": n, "k": k, "unfused_us": base, "fused_us": best["us"],
+    return {"mode": layers.modes[name], "n": n, "k": k, "unfused_us": base, "fused_us": best["us"],
             "config": best.get("config"), "error": best.get("error")}
 
 
@@ -211,10 +258,14 @@ def main() -> None:
     for shape in args.shapes.split(","):
         layers = Layers(**SHAPES[shape])
         entry = report[shape] = {}
-        for name in MODES:
+        for name in layers.modes:
             entry[name] = result = sweep(layers, name, args.quick)
             print(f"{shape} {name:<8} unfused {result['unfused_us']:7.2f} us | fused "
                   f"{result['fused_us']:7.2f} us {result['config']}", flush=True)
+        if "gate_up" not in layers.modes:  # a MoE shape: its experts are not these kernels
+            del layers
+            torch.cuda.empty_cache()
+            continue
         best = {name: tuple(entry[name]["config"]) for name in ("qkv", "o", "gate_up", "down")}
         variants = {"layer_unfused_us": (False, False), "layer_fused_us": (True, False),
                     "layer_fused_pdl_us": (True, True)}

@@ -245,10 +245,10 @@ def library_versions() -> dict:
     return versions
 
 
-def guarded(fn, *args) -> dict:
+def guarded(fn, *args, **kwargs) -> dict:
     """A reference engine that fails is reported as failed; the rest of the run goes on."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure of the reference is data
         print(f"{fn.__name__}{args}: {type(exc).__name__}: {exc}"[:500], flush=True)
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}

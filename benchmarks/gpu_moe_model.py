@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="fewer layers than the real model")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also time noesis at batch 1 with the fused one-row blocks off")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench-moe"))
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
@@ -72,6 +74,10 @@ def main() -> None:
               "layers": config.num_hidden_layers}  # fmt: skip
     report["noesis"] = guarded(bench_noesis, path, bandwidth, batches)
     release_memory()
+    if args.unfused:
+        report["noesis_unfused"] = guarded(bench_noesis, path, bandwidth, [1],
+                                           one_row_fusion=False)  # fmt: skip
+        release_memory()
     args.json.write_text(json.dumps(report, indent=1))
     if not args.no_hf:
         report["transformers"] = guarded(bench_transformers, path, batches, SHAPES[args.shape][1])
@@ -127,12 +133,12 @@ def _draw(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen) -> torch.T
     return random_tensor(name, shape, dtype, gen)
 
 
-def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
+def bench_noesis(path: Path, bandwidth: float, batches: list[int], **options) -> dict:
     from noesis import LLM
 
     t0 = time.perf_counter()
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=2048,
-              max_num_seqs=max(batches), progress=False)  # fmt: skip
+              max_num_seqs=max(batches), progress=False, **options)  # fmt: skip
     engine = llm.engine
     ready = time.perf_counter() - t0
     config = engine.loaded.config
@@ -158,7 +164,8 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int]) -> dict:
                                     "distinct_experts": distinct, "roofline_tok_s": roofline,
                                     "share": tok_s / roofline,
                                     "graph_steps": engine.runner.step_counts["graph"]}  # fmt: skip
-        print(f"noesis batch {batch}:", json.dumps(result["batches"][batch]), flush=True)
+        print(f"noesis {options or ''} batch {batch}:", json.dumps(result["batches"][batch]),
+              flush=True)  # fmt: skip
     return result
 
 
@@ -202,10 +209,13 @@ def print_table(report: dict) -> None:
     print("|---|---|---|---|---|---|---|")
     ours = report["noesis"].get("batches", {})
     theirs = report.get("transformers", {}).get("batches", {})
-    for batch, row in ours.items():
-        hf = theirs.get(batch, {}).get("tok_s")
+    unfused = report.get("noesis_unfused", {}).get("batches", {})
+    rows = [(str(b), r) for b, r in ours.items()]
+    rows += [(f"{b}, one-row fusion off", r) for b, r in unfused.items()]
+    for label, row in rows:
+        hf = theirs.get(int(label.split(",")[0]), {}).get("tok_s")
         ratio = f"{row['tok_s'] / hf:.2f}x" if hf else "-"
-        print(f"| {batch} | {row['tok_s']:.1f} | {hf or 0:.1f} | {ratio} | "
+        print(f"| {label} | {row['tok_s']:.1f} | {hf or 0:.1f} | {ratio} | "
               f"{row['step_bytes'] / 1e9:.2f} | {row['roofline_tok_s']:.1f} | "
               f"{row['share']:.0%} |")  # fmt: skip
 

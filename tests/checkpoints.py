@@ -338,6 +338,19 @@ def hf_recompute(model, prompt: list[int], max_new_tokens: int):
     return ids[len(prompt) :], torch.stack(rows)
 
 
+def assert_same_half_precision_greedy(got, want, margin: float = 0.2, tolerance: float = 0.1):
+    """Two half-precision runs of one prompt (RequestOutputs with logprobs) give the same greedy
+    tokens and logprobs within `tolerance` of each other, up to the first step where they part;
+    they may part only where want's top two were closer than `margin` (twice the tolerance:
+    rounding can flip a near-tie, not a clear choice)."""
+    for step, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
+        top = sorted(want.logprobs[step].values(), reverse=True)
+        if a != b:
+            assert top[0] - top[1] < margin, f"step {step}: diverged on a clear margin"
+            return
+        assert abs(got.logprobs[step][a] - want.logprobs[step][b]) < tolerance, step
+
+
 def noesis_greedy(llm, prompt: list[int], max_new_tokens: int, **options):
     """noesis greedy tokens and their logprobs, EOS ignored; `options` go to SamplingParams."""
     from noesis import SamplingParams

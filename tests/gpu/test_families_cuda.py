@@ -21,7 +21,13 @@ pytestmark = [
 ]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoints import SPECS, build_checkpoint, hf_generate, load_reference  # noqa: E402
+from checkpoints import (  # noqa: E402
+    SPECS,
+    assert_same_half_precision_greedy,
+    build_checkpoint,
+    hf_generate,
+    load_reference,
+)
 
 FAMILIES = ["qwen3-moe", "mixtral", "gpt-oss", "gemma2", "gemma3", "lfm2"]
 PROMPTS = [[0, 5, 9, 77, 100, 21], list(range(30, 50))]
@@ -92,6 +98,44 @@ def test_family_greedy_on_cuda_matches_transformers(tmp_path, name):
             for i, (row, t) in enumerate(zip(out.logprobs, tokens, strict=True))
         )
         assert worst < 1e-3, worst
+
+
+# Families whose blocks joined the fused one-row path: q/k/v biases (qwen2), per-head q/k
+# norms at a real head size (qwen3), routed experts (qwen3-moe), sinks, biases and MXFP4-free
+# experts (gpt-oss).
+ONE_ROW = {
+    "qwen2-tied": {},
+    "qwen3": {"head_dim": 128},
+    "qwen3-moe": {},
+    "gpt-oss": {},
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_ROW))
+def test_one_row_blocks_of_more_families_match_the_unfused_ones(tmp_path, monkeypatch, name):
+    """Batch-1 bf16 decode with graphs through DecoderLayer.forward_one_row against the unfused
+    blocks: same greedy tokens while the top two are apart, logprobs within bf16 rounding."""
+    from noesis import LLM, SamplingParams
+    from noesis.kernels import ops
+
+    spec = SPECS[name]
+    path = build_checkpoint(tmp_path / name, spec.family, **{**spec.config, **ONE_ROW[name]})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def run(fused):  # the engine sets ops.ONE_ROW_FUSION from its option
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", progress=False, max_num_seqs=8,
+                  one_row_fusion=fused)  # fmt: skip
+        return llm, llm.generate([PROMPTS[1]], params)[0]
+
+    _, want = run(False)
+    assert not ops.ONE_ROW_FUSION
+    launches = []
+    fused_qkv = ops.norm_qkv_rope_store  # with q/k norms: a projection, then the RoPE kernel
+    monkeypatch.setattr(ops, "norm_qkv_rope_store",
+                        lambda *a, **k: launches.append(1) or fused_qkv(*a, **k))  # fmt: skip
+    llm, got = run(True)
+    assert llm.engine.runner.model.fuse_one_row and launches, "the fused path did not run"
+    assert_same_half_precision_greedy(got, want)
 
 
 SHAPES = {  # the real models' layer shapes, 4 layers, small vocabulary

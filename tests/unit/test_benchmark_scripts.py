@@ -44,6 +44,16 @@ def test_gemv_fused_compares_each_fused_kernel_with_its_unfused_steps(tiny_layer
         tiny_layers.layer(fused, configs)  # runs the four layers both ways
 
 
+@pytest.mark.parametrize("kind", [{"bias": True}, {"qk_norm": True}], ids=["gpt-oss", "qwen3"])
+def test_gemv_fused_moe_shapes_compare_attention_router_and_head(tiny_layers, kind):
+    """The MoE shapes' kernels (biases; per-head q/k norms in the RoPE kernel) against the
+    unfused steps: the projections, the router over the stored norm, the LM head."""
+    layers = gemv_fused.Layers(hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, **kind)
+    assert list(layers.modes) == ["qkv", "o", "router", "lm_head"]
+    for name in layers.modes:
+        assert gemv_fused.reference_error(layers, name, (4, 32, 4, 1)) < 1e-5, name
+
+
 def test_swept_configs_reach_the_engine_through_graph_ab(tmp_path, monkeypatch):
     report = {"llama-1b": {
         "qkv": {"mode": 2, "n": 3072, "k": 2048, "config": [4, 1024, 8, 3], "fused_us": 5.0},

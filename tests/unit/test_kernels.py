@@ -124,6 +124,28 @@ def test_rope_write_kv_matches_reference(rotary_dim):
     assert flat[:, untouched].abs().sum() == 0
 
 
+def test_rope_write_kv_normalizes_each_q_and_k_head_first():
+    """Qwen3's per-head q/k RMSNorm in the RoPE kernel (one program per head): normalized, then
+    rotated, k and v stored; v untouched by the norm."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads, kv_heads, head_dim = 3, 4, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3
+    q_norm, k_norm = torch.rand(head_dim, generator=gen) + 0.5, torch.rand(head_dim, generator=gen)
+    angles = torch.randn(tokens, head_dim // 2, generator=gen)
+    cos, sin = (torch.cat([f(angles), f(angles)], -1) for f in (torch.cos, torch.sin))
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    ref_q, ref_k, ref_v = (t.reshape(tokens, -1, head_dim) for t in qkv.clone().split(sizes, -1))
+    ref_q = apply_rotary(ops.add_rms_norm(ref_q, None, q_norm, 1e-6)[0], cos, sin)
+    ref_k = apply_rotary(ops.add_rms_norm(ref_k, None, k_norm, 1e-6)[0], cos, sin)
+    kv = torch.zeros(2, 2, 4, kv_heads, head_dim)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split(sizes, -1))
+    rope.rope_write_kv(q, k, v, cos, sin, torch.tensor([5, 1, 6]), kv[0], kv[1],
+                       qk_norm=(q_norm, k_norm, 1e-6))  # fmt: skip
+    assert rel_err(q, ref_q) < 1e-5 and rel_err(k, ref_k) < 1e-5
+    flat = kv.view(2, -1, kv_heads, head_dim)
+    assert rel_err(flat[0][[5, 1, 6]], ref_k) < 1e-5 and torch.equal(flat[1][[5, 1, 6]], ref_v)
+
+
 @triton.jit
 def _quantize_e4m3(x_ptr, scale_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
@@ -314,6 +336,18 @@ def test_one_row_gemv_matches_linear(out_features, in_features):
     assert rel_err(with_residual, expected + residual) < 1e-6
 
 
+def test_one_row_gemv_adds_the_bias_before_rounding():
+    """float16: numpy's own half type, which the interpreter computes exactly (its bfloat16
+    arithmetic is emulated and loses the residual add)."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 96, generator=gen).half()
+    weight = (torch.randn(40, 96, generator=gen) / 10).half()
+    bias, residual = torch.randn(40, generator=gen).half(), torch.randn(1, 40).half()
+    exact = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    got = row_gemv.gemv(x, weight, residual, bias=bias)
+    assert rel_err(got.float(), (exact.half() + residual).float()) < 1e-3
+
+
 def one_row_inputs(width, rows, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, width, generator=gen) * 3
@@ -336,6 +370,29 @@ def test_norm_logits_matches_norm_and_lm_head():
     got = row_gemv.norm_logits(x, norm_weight, 1e-5, head)
     assert got.dtype == torch.float32 and got.shape == (1, 300)
     assert rel_err(got, torch.nn.functional.linear(normed, head)) < 1e-5
+
+
+def test_norm_glu_adds_both_halves_biases():
+    x, norm_weight, gate_up, normed = one_row_inputs(96, 2 * 72, seed=5)
+    bias = torch.randn(2 * 72, generator=torch.Generator().manual_seed(1))
+    expected = ops.silu_mul(torch.nn.functional.linear(normed, gate_up, bias))
+    got = row_gemv.norm_glu(x, norm_weight, 1e-5, gate_up, bias=bias)
+    assert rel_err(got, expected) < 1e-5
+
+
+def test_norm_router_stores_the_norm_and_biased_logits_in_the_model_dtype():
+    """A MoE block's one-row router: rms_norm(x) (stored for the experts) through the router
+    and its bias, logits rounded to and kept in the model dtype, as nn.Linear gives them."""
+    x, norm_weight, router, normed = one_row_inputs(1030, 12, seed=2)  # K past two tiles
+    x, norm_weight, router = x.half(), norm_weight.half(), router.half()
+    bias = torch.randn(12, generator=torch.Generator().manual_seed(2)).half()
+    want_normed, _ = ops.add_rms_norm(x, None, norm_weight, 1e-5)
+    out = torch.zeros_like(x)
+    logits = row_gemv.norm_logits(x, norm_weight, 1e-5, router, bias=bias, normed=out,
+                                  dtype=x.dtype)  # fmt: skip
+    assert rel_err(out.float(), want_normed.float()) < 1e-3
+    exact = torch.nn.functional.linear(want_normed.float(), router.float(), bias.float())
+    assert logits.dtype == torch.float16 and rel_err(logits.float(), exact) < 2e-3
 
 
 # rows None: the default config, whose 8 rows per program shrink to fit a 4-wide half head
@@ -377,7 +434,35 @@ def test_norm_qkv_rope_store_matches_the_unfused_steps(head_dim, rows):
     assert flat.abs().sum() == 0  # nothing else written
 
 
+def test_norm_qkv_rope_store_adds_the_biases_before_the_rotation():
+    """Qwen2's q/k/v biases, added to the row sums before they are rounded and rotated."""
+    heads, kv_heads, head_dim, slot = 4, 2, 16, 6
+    x, norm_weight, qkv_weight, normed = one_row_inputs(96, (heads + 2 * kv_heads) * head_dim,
+                                                        seed=11)  # fmt: skip
+    gen = torch.Generator().manual_seed(12)
+    bias = torch.randn(qkv_weight.shape[0], generator=gen)
+    angles = torch.randn(1, head_dim // 2, generator=gen)
+    cos, sin = (torch.cat([f(angles), f(angles)], -1) for f in (torch.cos, torch.sin))
+    q, k, v = torch.nn.functional.linear(normed, qkv_weight, bias).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q = apply_rotary(q.view(1, heads, head_dim), cos, sin)
+    k = apply_rotary(k.view(1, kv_heads, head_dim), cos, sin)
+    kv = torch.zeros(2, 3, 4, kv_heads, head_dim)
+    got = row_gemv.norm_qkv_rope_store(
+        x, norm_weight, 1e-5, qkv_weight, heads, kv_heads, cos, sin, torch.tensor([slot]),
+        kv[0], kv[1], config=(4, 32, 4, 1), bias=bias,
+    )  # fmt: skip
+    assert rel_err(got, torch.cat([q.flatten(), k.flatten(), v.flatten()])[None]) < 1e-5
+    flat = kv.view(2, -1, kv_heads, head_dim)
+    assert rel_err(flat[0, slot], k[0]) < 1e-5
+    assert rel_err(flat[1, slot], v.view(kv_heads, -1)) < 1e-5
+
+
 PREFIX = [0, 5, 9, 77, 31, 8, 2, 40, 13]  # two 4-token pages and one token
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+       "norm_topk_prob": True, "mlp_only_layers": [1]}  # fmt: skip
+GPT_OSS = {"num_local_experts": 8, "num_experts_per_tok": 4, "intermediate_size": 32,
+           "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -386,9 +471,15 @@ PREFIX = [0, 5, 9, 77, 31, 8, 2, 40, 13]  # two 4-token pages and one token
         ("mistral", {"sliding_window": 6, "tie_word_embeddings": True}, {}, [PREFIX[:5], [3]]),
         # untied; the second run prefills one token after 8 cached ones
         ("llama", {}, {"enable_prefix_caching": True, "page_size": 4}, [PREFIX, PREFIX]),
-        ("qwen2", {}, {}, [PREFIX[:5], [3]]),
+        ("qwen2", {}, {}, [PREFIX[:5], [3]]),  # q/k/v biases
+        ("qwen3", {"head_dim": 128}, {}, [PREFIX[:5], [3]]),  # per-head q/k norms
+        ("qwen3", {}, {}, [PREFIX[:5]]),  # head_dim 24: a half head of 12, masked lanes
+        ("qwen3_moe", dict(MOE, head_dim=16), {}, [PREFIX[:5], [3]]),  # a dense layer too
+        # sinks, biases everywhere, a sliding layer shorter than the sequence, routed experts
+        ("gpt_oss", GPT_OSS, {}, [PREFIX, [3]]),
     ],
-    ids=["sliding-window-tied", "prefix-cached", "qwen2"],
+    ids=["sliding-window-tied", "prefix-cached", "qwen2-bias", "qwen3-qk-norm",
+         "qwen3-head-24", "qwen3-moe", "gpt-oss"],
 )
 def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
     tmp_path, monkeypatch, family, config, engine, prompts
@@ -396,8 +487,10 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
     """The whole model with DecoderLayer.forward_one_row on every one-row step (decode at batch
     1, and the prefill of a one-token prompt or of the one token after a cached prefix): same
     greedy tokens and logprobs as the unfused blocks, the LM head tied to the embeddings or
-    not, with a sliding window shorter than the sequence. qwen2's q/k/v biases keep it on the
-    unfused path."""
+    not, with a sliding window shorter than the sequence, projection biases, per-head q/k
+    norms, attention sinks and routed experts (router and norm in one kernel, the residual
+    added by the experts' last; with q/k norms the projection is a plain one and the RoPE
+    kernel normalizes each head)."""
     from checkpoints import build_checkpoint
 
     from noesis import LLM, SamplingParams
@@ -425,26 +518,31 @@ def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
             row_gemv.QKV: row_gemv.ROW_GEMV_CONFIGS[row_gemv.QKV],
         },
     )
-    for name in ("norm_qkv_rope_store", "norm_logits"):
-        kernel = getattr(row_gemv, name)
+    for module, name in ((row_gemv, "norm_qkv_rope_store"), (row_gemv, "norm_logits"),
+                         (rope, "rope_write_kv")):  # fmt: skip
+        kernel = getattr(module, name)
         monkeypatch.setattr(
-            row_gemv,
+            module,
             name,
             lambda *a, k=kernel, n=name, **kw: launches.append(n) or k(*a, **kw),
         )
     llm, got = run()
     model = llm.engine.runner.model
-    fusable = family != "qwen2"
-    assert model.fuse_one_row == fusable
+    assert model.fuse_one_row
     assert (model.lm_head is None) == config.get("tie_word_embeddings", False)
     assert model.model.layers[0].self_attn.sliding_window == config.get("sliding_window")
     if engine:
         assert llm.engine.prefix_cache.hit_tokens == 8
-    # per one-row step (the decodes of both prompts, and the one-token prefill): 2 layers' qkv,
-    # 1 LM head
-    steps = 2 * (new_tokens - 1) + 1 if fusable else 0
-    assert launches.count("norm_qkv_rope_store") == 2 * steps
-    assert launches.count("norm_logits") == steps
+    # per one-row step (every decode, and a one-token prefill: of a one-token prompt or after
+    # the cached prefix): 2 layers' qkv, 1 LM head and the routers of the layers with experts;
+    # with q/k norms each layer's qkv is a plain projection (norm_logits) and the RoPE kernel
+    one_token_prefills = sum(len(p) == 1 for p in prompts) + bool(engine)
+    steps = len(prompts) * (new_tokens - 1) + one_token_prefills
+    routed = sum(hasattr(layer.mlp, "router") for layer in model.model.layers)
+    split_qkv = model.config.qk_norm
+    assert launches.count("norm_qkv_rope_store") == (0 if split_qkv else 2 * steps)
+    assert launches.count("rope_write_kv") == (2 * steps if split_qkv else 0)
+    assert launches.count("norm_logits") == (1 + routed + 2 * split_qkv) * steps
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):

@@ -142,6 +142,17 @@ def launches() -> dict[str, tuple]:
             kv[0],
             kv[1],
         ),
+        "RoPE + q/k norms + KV write (Qwen3)": lambda: rope.rope_write_kv(
+            torch.zeros(1, heads, head_dim, **bf16),
+            torch.zeros(1, kv_heads, head_dim, **bf16),
+            torch.zeros(1, kv_heads, head_dim, **bf16),
+            torch.ones(1, head_dim),
+            torch.zeros(1, head_dim),
+            torch.zeros(1, dtype=torch.int64),
+            kv[0],
+            kv[1],
+            qk_norm=(norm[:head_dim], norm[:head_dim], 1e-6),
+        ),
         "RoPE + KV write, fp8 cache": lambda: rope.rope_write_kv(
             torch.zeros(4, heads, head_dim, **bf16),
             torch.zeros(4, kv_heads, head_dim, **bf16),
@@ -218,6 +229,17 @@ def launches() -> dict[str, tuple]:
         ),
         "one-row norm + LM head": lambda: row_gemv.norm_logits(
             x, norm, 1e-5, torch.zeros(128256, hidden, **bf16)
+        ),
+        # Qwen2's q/k/v biases
+        "one-row norm + qkv + bias + RoPE + KV write": lambda: row_gemv.norm_qkv_rope_store(
+            x, norm, 1e-5, torch.zeros(qkv_rows, hidden, **bf16), heads, kv_heads, cos, sin,
+            torch.zeros(1, dtype=torch.int64), kv[0], kv[1], bias=torch.zeros(qkv_rows, **bf16),
+        ),
+        # gpt-oss-20b's router: the norm stored for the experts, a bias, logits in bf16
+        "one-row norm + MoE router + bias": lambda: row_gemv.norm_logits(
+            torch.zeros(1, 2880, **bf16), torch.ones(2880, **bf16), 1e-5,
+            torch.zeros(32, 2880, **bf16), bias=torch.zeros(32, **bf16),
+            normed=torch.zeros(1, 2880, **bf16), dtype=torch.bfloat16,
         ),
         # the packed block at the configs an H100 picks (down: gemv_configs.json's)
         "packed one-row o_proj + residual, int4": lambda: packed_row.gemv(
@@ -391,7 +413,7 @@ def test_programmatic_dependent_launch_compiles_in_where_asked(reports):
 
 def test_one_row_gemvs_read_weights_in_16_byte_loads(reports):
     rows = {name: r for name, r in reports.items() if name.startswith("one-row")}
-    assert len(rows) == 8
+    assert len(rows) == 10
     for name, report in rows.items():
         # each weight tile (two in the paired modes) in one or more 16-byte loads per thread;
         # scalar loads would leave none

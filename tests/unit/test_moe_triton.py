@@ -78,6 +78,18 @@ def test_fused_experts_equal_the_gather_path(tokens, top_k, mxfp4, biases, limit
     _compare(tokens, top_k, mxfp4, biases, limit)
 
 
+@pytest.mark.parametrize("tokens", [1, 5])  # both layouts end in the slot sum
+def test_the_residual_is_added_after_the_experts_output_is_rounded(tokens):
+    x, ids, weights, gate_up, down, up_bias, down_bias = _problem(tokens, 2, False, True,
+                                                                  torch.float16)  # fmt: skip
+    residual = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.dtype)
+    args = (x, ids, weights, gate_up, down, None, 1.702, up_bias, down_bias)
+    alone = moe_triton.experts(*args)
+    assert torch.equal(moe_triton.experts(*args, residual), alone + residual)
+    with pytest.raises(ValueError, match="residual"):
+        moe_triton.experts(*args, residual[:, :8])
+
+
 def test_bf16_gemv_rounds_where_the_reference_does():
     _compare(1, 4, True, True, 7.0, torch.bfloat16, tol=2e-2)
 

@@ -73,17 +73,20 @@ def experts(
     activation: Activation,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
     down_bias: torch.Tensor | None = None,  # [E, H]
+    residual: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor:
-    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H]."""
+    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype, plus
+    residual (one more rounding) when given: on CUDA added in the experts' last kernel."""
     if x.is_cuda:
         from noesis.kernels import moe_triton
 
         return moe_triton.experts(x, ids, weights, gate_up, down, activation.limit,
-                                  activation.alpha, gate_up_bias, down_bias)  # fmt: skip
+                                  activation.alpha, gate_up_bias, down_bias, residual)  # fmt: skip
     if isinstance(gate_up, Mxfp4Weight) or isinstance(down, Mxfp4Weight):
         raise ValueError(f"MXFP4-packed experts run on CUDA only, not {x.device} (other "
                          "devices dequantize them at load)")  # fmt: skip
-    return grouped(x, ids, weights, gate_up, down, activation, gate_up_bias, down_bias)
+    out = grouped(x, ids, weights, gate_up, down, activation, gate_up_bias, down_bias)
+    return out if residual is None else out + residual
 
 
 def grouped(x, ids, weights, gate_up, down, activation, gate_up_bias=None, down_bias=None):

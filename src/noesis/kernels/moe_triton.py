@@ -17,6 +17,9 @@ per byte (the low nibble first), scales [E, N, K / 32] uint8 biased exponents. A
 decodes to its even (low) and odd (high) columns, which meet the even and odd columns of x.
 Every sum is float32; values are rounded to the model dtype where the PyTorch path rounds them
 (after each projection, after the activation).
+
+The decode layout's kernels and the routing take programmatic dependent launch (kernels/pdl.py):
+each launches while the one before it finishes and waits for it before its first read.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from noesis.kernels import pdl
+from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.weights.mxfp4 import Mxfp4Weight
 
 Weight = torch.Tensor | Mxfp4Weight
@@ -71,20 +76,24 @@ def experts(
     alpha: float,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
     down_bias: torch.Tensor | None = None,  # [E, H]
+    residual: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor:
-    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype; the
-    activation is silu(gate) * up, or gpt-oss's clamped SwiGLU when `limit` is set."""
+    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype (then +
+    residual, rounded again, in the same kernel); the activation is silu(gate) * up, or
+    gpt-oss's clamped SwiGLU when `limit` is set."""
     _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias)
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        raise ValueError(f"residual {list(residual.shape)} is not a contiguous {list(x.shape)}")
     tokens, top_k = ids.shape
     if tokens == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x) if residual is None else residual.clone()
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     glu = dict(limit=0.0 if limit is None else float(limit), alpha=float(alpha))
     glu["CLAMP"] = limit is not None
     act = torch.empty(tokens * top_k, down.shape[2], dtype=x.dtype, device=x.device)  # [P, I]
-    if uses_gemv(tokens * top_k, gate_up.shape[0], top_k):
-        return _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
-    return _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
+    run = _gemv_experts if uses_gemv(tokens * top_k, gate_up.shape[0], top_k) else _sorted_experts
+    partial = run(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
+    return _sum_slots(partial, tokens, top_k, x.dtype, residual)
 
 
 def route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
@@ -101,6 +110,7 @@ def route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
             logits.contiguous(), weights, ids, E=num_experts, TOP_K=top_k,
             BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
             SOFTMAX_FIRST=softmax_first, RENORMALIZE=softmax_first and renormalize,
+            **pdl.pdl_launch(logits),
         )  # fmt: skip
     return weights, ids
 
@@ -136,7 +146,7 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
         x, ids, *_operands(gate_up), _or(gate_up_bias, x), act, glu["limit"], glu["alpha"],
         TOP_K=top_k, H=hidden, I=inner, MXFP4=isinstance(gate_up, Mxfp4Weight),
         HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"], BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, **pdl.pdl_launch(x),
     )  # fmt: skip
     tiles = GEMV_TILES[isinstance(down, Mxfp4Weight)][1]
     partial = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
@@ -144,19 +154,22 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
         act, ids, weights, *_operands(down), _or(down_bias, x), partial,
         H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
         HAS_BIAS=down_bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps,
+        num_warps=tiles.num_warps, **pdl.pdl_launch(x),
     )  # fmt: skip
-    return _sum_slots(partial, tokens, top_k, x.dtype)
+    return partial
 
 
-def _sum_slots(partial: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype):
-    """[T * k, H] float32 weighted expert outputs -> [T, H] in dtype, summed in slot order."""
+def _sum_slots(partial: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype,
+               residual: torch.Tensor | None):
+    """[T * k, H] float32 weighted expert outputs -> [T, H] in dtype, summed in slot order, then
+    + residual [T, H] (rounded again) if given."""
     hidden = partial.shape[1]
     out = torch.empty(tokens, hidden, dtype=dtype, device=partial.device)
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, block))](
-        partial, out, TOP_K=top_k, H=hidden, BLOCK=block
-    )
+        partial, out, out if residual is None else residual, TOP_K=top_k, H=hidden,
+        BLOCK=block, RESIDUAL=residual is not None, **pdl.pdl_launch(partial),
+    )  # fmt: skip
     return out
 
 
@@ -183,7 +196,7 @@ def _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act
         HAS_BIAS=down_bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, PRECISION=precision, num_warps=tiles.num_warps,
     )  # fmt: skip
-    return _sum_slots(partial, tokens, top_k, x.dtype)
+    return partial
 
 
 def _operands(weight: Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,10 +245,13 @@ def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
+    RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: softmax over the experts then the top k (renormalized if asked), or the top
     k logits then a softmax over them; k passes of max / lowest index of the max."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * E + experts, mask=experts < E, other=float("-inf"))
@@ -267,9 +283,12 @@ def _gemv_gate_up(
     x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, limit, alpha,
     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T): one pair, BLOCK_N columns of gate and
     the same of up, read as 2 * BLOCK_N interleaved rows (gate, up, gate, ...)."""
+    if PDL:
+        gdc_wait()  # the expert ids
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     r = tl.arange(0, 2 * BLOCK_N)
@@ -277,6 +296,8 @@ def _gemv_gate_up(
     rows = cols + (r % 2) * I
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * H
     acc = _gemv(x_row, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4, 2 * BLOCK_N, BLOCK_K)
+    if PDL:
+        gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * 2 * I + rows, mask=cols < I, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(acc.to(act_ptr.dtype.element_ty), (BLOCK_N, 2)))
@@ -290,16 +311,20 @@ def _gemv_gate_up(
 def _gemv_down(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
     H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[p, cols] = weight[p] * (act[p] @ down[ids[p]].T) in float32, one pair per program
     (a token's k pairs run side by side; _sum_slots_kernel adds them)."""
+    if PDL:
+        gdc_wait()  # the activations
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     act_row = act_ptr + pair.to(tl.int64) * I
     y = _gemv(act_row, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4, BLOCK_N, BLOCK_K)
+    if PDL:
+        gdc_launch_dependents()
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert * H + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = y.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -308,9 +333,13 @@ def _gemv_down(
 
 
 @triton.jit
-def _sum_slots_kernel(partial_ptr, out_ptr, TOP_K: tl.constexpr, H: tl.constexpr,
-                      BLOCK: tl.constexpr):  # fmt: skip
-    """out[t, cols] = sum over slots 0 .. k - 1, in order, of partial[t * k + slot, cols]."""
+def _sum_slots_kernel(partial_ptr, out_ptr, res_ptr, TOP_K: tl.constexpr, H: tl.constexpr,
+                      BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """out[t, cols] = sum over slots 0 .. k - 1, in order, of partial[t * k + slot, cols], in the
+    output dtype, plus res[t, cols] with RESIDUAL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -318,7 +347,10 @@ def _sum_slots_kernel(partial_ptr, out_ptr, TOP_K: tl.constexpr, H: tl.constexpr
     for slot in tl.static_range(TOP_K):
         row = (token * TOP_K + slot).to(tl.int64) * H
         total += tl.load(partial_ptr + row + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + token.to(tl.int64) * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+    out = total.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        out += tl.load(res_ptr + token.to(tl.int64) * H + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + token.to(tl.int64) * H + cols, out, mask=ok)
 
 
 @triton.jit

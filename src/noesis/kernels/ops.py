@@ -37,6 +37,7 @@ class TritonKernels:
     pdl: ModuleType
     pointwise: ModuleType
     row_gemv: ModuleType
+    rope: ModuleType
     packed_row: ModuleType  # noesis.quant.packed_row: row_gemv's for packed int4 / int8 weights
     bitmask: ModuleType
     race: ModuleType
@@ -45,14 +46,14 @@ class TritonKernels:
 @functools.cache
 def _triton() -> TritonKernels | None:
     try:
-        from noesis.kernels import bitmask, pdl, pointwise, row_gemv
+        from noesis.kernels import bitmask, pdl, pointwise, rope, row_gemv
         from noesis.quant import packed_row
         from noesis.sampling import race_kernel
     except ImportError as exc:  # asked for on CUDA tensors only, so CPU-only installs stay quiet
         warnings.warn(f"Triton kernels unavailable ({exc}); CUDA runs the PyTorch ops, slower",
                       RuntimeWarning, stacklevel=2)
         return None
-    return TritonKernels(pdl, pointwise, row_gemv, packed_row, bitmask, race_kernel)
+    return TritonKernels(pdl, pointwise, row_gemv, rope, packed_row, bitmask, race_kernel)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -94,19 +95,19 @@ def one_row_fusion(x: torch.Tensor) -> bool:
 
 
 def _one_row(proj: torch.nn.Module):
-    """The one-row kernels for a bias-free projection, and what they take of it: row_gemv and
-    the weight of an nn.Linear; noesis.quant.packed_row and the module itself of a PackedLinear
-    (the two kinds models.layers.fusable_one_row admits)."""
+    """The one-row kernels for a projection, what they take of it and their keyword arguments:
+    row_gemv, the weight of an nn.Linear and its bias; noesis.quant.packed_row and the module
+    itself of a bias-free PackedLinear (the two kinds models.layers.fusable_one_row admits)."""
     kernels = _triton()
     if type(proj) is torch.nn.Linear:
-        return kernels.row_gemv, proj.weight
-    return kernels.packed_row, proj
+        return kernels.row_gemv, proj.weight, {"bias": proj.bias}
+    return kernels.packed_row, proj, {}
 
 
 def gemv(x: torch.Tensor, proj: torch.nn.Module, residual: torch.Tensor | None = None):
-    """x [1, K] through proj (+ residual), one Triton program per few output rows."""
-    kernels, weight = _one_row(proj)
-    return kernels.gemv(x, weight, residual)
+    """x [1, K] through proj (its bias, + residual), one Triton program per few output rows."""
+    kernels, weight, extra = _one_row(proj)
+    return kernels.gemv(x, weight, residual, **extra)
 
 
 def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor):
@@ -114,31 +115,54 @@ def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     return _triton().row_gemv.norm_logits(x, norm_weight, eps, weight)
 
 
+def norm_router(x: torch.Tensor, norm: torch.nn.Module, router: torch.nn.Linear):
+    """(router logits [1, E] in the model dtype, rms_norm(x) [1, K]) for one row of a MoE block,
+    in one Triton kernel: the norm the experts take and the router over it."""
+    normed = torch.empty_like(x)
+    logits = _triton().row_gemv.norm_logits(x, norm.weight, norm.eps, router.weight,
+                                            bias=router.bias, normed=normed, dtype=x.dtype)
+    return logits, normed
+
+
 def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.nn.Module):
     """silu(gate) * up of rms_norm(x) through the [gate | up] projection for one row, in one
     Triton kernel."""
-    kernels, weight = _one_row(gate_up)
-    return kernels.norm_glu(x, norm_weight, eps, weight)
+    kernels, weight, extra = _one_row(gate_up)
+    return kernels.norm_glu(x, norm_weight, eps, weight, **extra)
 
 
 def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
-                        kv_cache):
-    """rms_norm(x) through the fused qkv projection (a module), q and k rotated, k and v written
-    to the paged cache [2, pages, page_size, Hkv, d] at slots[0] (an FP8LayerCache: quantized
-    with its per-head scales as they are written): one Triton kernel for one token."""
+                        kv_cache, qk_norm=None):
+    """rms_norm(x) through the fused qkv projection (a module, its bias), q and k rotated, k and
+    v written to the paged cache [2, pages, page_size, Hkv, d] at slots[0] (an FP8LayerCache:
+    quantized with its per-head scales as they are written): one Triton kernel for one token.
+    With `qk_norm` = (q norm weight, k norm weight, eps), two: the projection, then each q and
+    k head normalized, rotated and written by the RoPE kernel (on an H200 this beat one kernel
+    normalizing inside its programs, which then had to hold whole heads: 728 / 719 against
+    710 / 696 tok/s on Qwen3-30B-A3B's shape, benchmarks/RESULTS.md)."""
     pages, scales = ((kv_cache.data, kv_cache.scales) if isinstance(kv_cache, FP8LayerCache)
                      else (kv_cache, None))
-    kernels, weight = _one_row(qkv)
+    kernels, weight, extra = _one_row(qkv)
+    if qk_norm is not None:  # row_gemv's kernels (models.layers.fusable_one_row)
+        out = kernels.norm_logits(x, norm_weight, eps, weight, dtype=x.dtype, **extra)
+        head_dim = out.shape[-1] // (num_heads + 2 * num_kv_heads)
+        q, k, v = out.split([num_heads * head_dim, num_kv_heads * head_dim,
+                             num_kv_heads * head_dim], dim=-1)  # fmt: skip
+        _triton().rope.rope_write_kv(
+            q.view(1, num_heads, head_dim), k.view(1, num_kv_heads, head_dim),
+            v.view(1, num_kv_heads, head_dim), cos, sin, slots, pages[0], pages[1], scales,
+            qk_norm=qk_norm)  # fmt: skip
+        return out
     return kernels.norm_qkv_rope_store(x, norm_weight, eps, weight, num_heads, num_kv_heads, cos,
-                                       sin, slots, pages[0], pages[1], kv_scales=scales)
+                                       sin, slots, pages[0], pages[1], kv_scales=scales, **extra)
 
 
 def row_projection(x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
     """proj(x) for the output projection: one row of a half-precision model on CUDA (batch-1
-    decode) through a Triton GEMV, which beats cuBLAS's split-K kernels on these square
-    matrices; anything else through the module."""
+    decode) through a Triton GEMV (its bias added in the kernel), which beats cuBLAS's split-K
+    kernels on these square matrices; anything else through the module."""
     if (ONE_ROW_GEMV and _one_half_precision_row(x) and type(proj) is torch.nn.Linear
-            and proj.bias is None and proj.weight.is_contiguous()):
+            and proj.weight.is_contiguous()):
         return gemv(x, proj)
     return proj(x)
 

@@ -28,11 +28,11 @@ _PLAIN, _GLU, _QKV = tl.constexpr(PLAIN), tl.constexpr(GLU), tl.constexpr(QKV)
 @triton.jit
 def _row_gemv(
     x_ptr, norm_ptr, w_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-    kv_scales_ptr, N, eps, stride_slot, stride_cache_head,
+    kv_scales_ptr, bias_ptr, normed_ptr, N, eps, stride_slot, stride_cache_head,
     K: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PAIR: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    PDL: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, NORMED_OUT: tl.constexpr,
 ):
     """y = W @ f(x) for one row x [K], ROWS output rows per program (two blocks of them, PAIR
     rows apart, in the GLU and QKV modes), the whole of K in BLOCK_K tiles, no split-K.
@@ -46,6 +46,9 @@ def _row_gemv(
     [HEAD_DIM / 2], and stores k and v at the cache slot as well as in y. FP8: the cache is
     e4m3 and gets k and v over their head's scale (kv_scales_ptr [2, Hkv]), as
     noesis.kv.fp8.quantize rounds them; y keeps them unscaled.
+
+    BIAS adds bias_ptr [N] to the row sums before they are rounded. NORMED_OUT (with NORM) has
+    program 0 also store f(x) at normed_ptr [K], for a next kernel to read.
 
     Every value is rounded to the model dtype where the unfused kernels round it."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model's; y may be float32 (logits)
@@ -61,12 +64,19 @@ def _row_gemv(
     if PDL:
         gdc_wait()  # x, and the residual, come from the kernel before
     rstd = _rstd(x_ptr, eps, K, NORM, BLOCK_K)
-    x_first = _x_tile(x_ptr, norm_ptr, first, K, rstd, NORM, DTYPE)[None, :]
+    store_normed = NORMED_OUT and tl.program_id(0) == 0
+    x_first = _x_tile(x_ptr, norm_ptr, first, K, rstd, NORM, DTYPE)
+    if store_normed:
+        tl.store(normed_ptr + first, x_first.to(DTYPE), mask=first < K)
+    x_first = x_first[None, :]
     acc = w_first.to(tl.float32) * x_first
     acc_pair = w_first_pair.to(tl.float32) * x_first
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         cols = k + tl.arange(0, BLOCK_K)
-        xf = _x_tile(x_ptr, norm_ptr, cols, K, rstd, NORM, DTYPE)[None, :]
+        xf = _x_tile(x_ptr, norm_ptr, cols, K, rstd, NORM, DTYPE)
+        if store_normed:
+            tl.store(normed_ptr + cols, xf.to(DTYPE), mask=cols < K)
+        xf = xf[None, :]
         tile_ok = row_ok[:, None] & (cols < K)[None, :]
         acc += tl.load(w_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xf
         if MODE != _PLAIN:
@@ -77,7 +87,7 @@ def _row_gemv(
     _row_epilogue(tl.sum(acc, 1), tl.sum(acc_pair, 1), rows, row_ok, j, head, y_ptr, res_ptr,
                   cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
                   stride_slot, stride_cache_head, MODE, RESIDUAL, PAIR, NUM_HEADS,
-                  NUM_KV_HEADS, FP8, DTYPE)
+                  NUM_KV_HEADS, FP8, DTYPE, bias_ptr, BIAS)
 
 
 # The prologue and epilogues below are shared with the packed-weight variant
@@ -121,10 +131,14 @@ def _row_epilogue(y, pair, rows, row_ok, j, head, y_ptr, res_ptr, cos_ptr, sin_p
                   k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_slot, stride_cache_head,
                   MODE: tl.constexpr, RESIDUAL: tl.constexpr, PAIR: tl.constexpr,
                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr,
-                  DTYPE: tl.constexpr):
+                  DTYPE: tl.constexpr, bias_ptr=None, BIAS: tl.constexpr = False):
     """Stores a program's outputs from its float32 row sums y (and pair: the rows PAIR further,
-    unused in the PLAIN mode), each rounded to the model dtype first, as the modes of
-    _row_gemv describe."""
+    unused in the PLAIN mode), plus their bias (BIAS), each rounded to the model dtype first,
+    as the modes of _row_gemv describe."""
+    if BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if MODE != _PLAIN:
+            pair += tl.load(bias_ptr + rows + PAIR, mask=row_ok, other=0.0).to(tl.float32)
     y = y.to(DTYPE)
     if MODE == _PLAIN:
         if RESIDUAL:
@@ -191,71 +205,91 @@ def _device_configs(device: torch.device) -> dict[str, list[int]]:
     return json.loads(CONFIG_FILE.read_text()).get(name, {})
 
 
-def row_gemv_config(mode: int, weight: torch.Tensor) -> tuple[int, int, int, int]:
+# A MoE router's few rows (32 to 128 experts): a program per row, so that they spread over the
+# GPU instead of filling four to sixteen programs.
+ROUTER_CONFIG = (1, 1024, 4, 1)
+
+
+def row_gemv_config(mode: int, weight: torch.Tensor, default=None) -> tuple[int, int, int, int]:
     key = (mode, *weight.shape)
     if key in ROW_GEMV_TUNED:
         return ROW_GEMV_TUNED[key]
     tuned = _device_configs(weight.device).get(",".join(map(str, key)))
-    return tuple(tuned) if tuned else ROW_GEMV_CONFIGS[mode]
+    return tuple(tuned) if tuned else default or ROW_GEMV_CONFIGS[mode]
 
 
 def _launch_row_gemv(mode, x, weight, y, programs, config, *, norm=None, eps=0.0,
-                     residual=None, pair=0, rope=None, heads=(0, 0, 0), kv_scales=None):
+                     residual=None, pair=0, rope=None, heads=(0, 0, 0), kv_scales=None,
+                     bias=None, normed=None):
     rows, block_k, warps, stages = config or row_gemv_config(mode, weight)
     n, k = weight.shape
     assert x.shape == (1, k) and weight.is_contiguous()
     assert residual is None or residual.shape == (1, n) and residual.is_contiguous()
+    assert bias is None or bias.shape == (n,) and bias.is_contiguous()
+    assert normed is None or norm is not None and normed.shape == (1, k)
     x = x.contiguous()
     cos, sin, slots, k_cache, v_cache = rope or (x, x, x, x, x)
     _row_gemv[(programs(rows),)](
-        x, norm if norm is not None else x, weight, y,
-        residual if residual is not None else x, cos, sin, slots, k_cache, v_cache,
-        kv_scales if kv_scales is not None else x, y.shape[-1], eps,
+        x, _or(norm, x), weight, y, _or(residual, x), cos, sin, slots, k_cache, v_cache,
+        _or(kv_scales, x), _or(bias, x), _or(normed, x), y.shape[-1], eps,
         k_cache.stride(0) if rope else 0, k_cache.stride(1) if rope else 0,
         K=k, MODE=mode, NORM=norm is not None, RESIDUAL=residual is not None, ROWS=rows,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)), STAGES=stages, PAIR=pair,
         HEAD_DIM=heads[2], NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1],
-        FP8=kv_scales is not None, num_warps=warps,
+        FP8=kv_scales is not None, BIAS=bias is not None, NORMED_OUT=normed is not None,
+        num_warps=warps,
         **pdl.pdl_launch(x),
     )
     return y
 
 
+def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """The tensor, or an unused placeholder pointer for a kernel argument left off."""
+    return placeholder if tensor is None else tensor
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-         config=None) -> torch.Tensor:
-    """x [1, K] @ weight[N, K]^T (+ residual [1, N]) -> [1, N], without split-K. In CUDA graphs
-    on an H200 (benchmarks/gemv_fused.py), before its first tile was peeled off the loop for
-    PDL: o_proj of Llama-3.1-8B 11.4 us against cuBLAS's 13.2, of Llama-3.2-1B 3.1 against
-    5.0."""
+         config=None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T (+ bias [N], rounded, + residual [1, N]) -> [1, N], without
+    split-K. In CUDA graphs on an H200 (benchmarks/gemv_fused.py), before its first tile was
+    peeled off the loop for PDL: o_proj of Llama-3.1-8B 11.4 us against cuBLAS's 13.2, of
+    Llama-3.2-1B 3.1 against 5.0."""
     y = torch.empty(1, weight.shape[0], device=x.device, dtype=x.dtype)
     return _launch_row_gemv(PLAIN, x, weight, y, lambda rows: triton.cdiv(y.shape[1], rows),
-                            config, residual=residual)
+                            config, residual=residual, bias=bias)
 
 
 def norm_logits(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                config=None) -> torch.Tensor:
-    """float32 logits [1, V] of rms_norm(x) for one row x [1, K] through the LM head [V, K],
-    rounded to the model dtype first as the unfused head's output is."""
-    y = torch.empty(1, weight.shape[0], device=x.device, dtype=torch.float32)
+                config=None, bias: torch.Tensor | None = None,
+                normed: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
+    """Logits [1, V] of rms_norm(x) for one row x [1, K] through the LM head [V, K] (+ bias
+    [V]), rounded to the model dtype first as the unfused head's output is, stored as `dtype`.
+    Also a MoE router (`normed` [1, K]: rms_norm(x) stored there too, the experts' input) and
+    a plain normed projection (Qwen3's qkv, whose heads the RoPE kernel normalizes)."""
+    y = torch.empty(1, weight.shape[0], device=x.device, dtype=dtype)
+    if config is None and normed is not None:
+        config = row_gemv_config(PLAIN, weight, ROUTER_CONFIG)
     return _launch_row_gemv(PLAIN, x, weight, y, lambda rows: triton.cdiv(y.shape[1], rows),
-                            config, norm=norm_weight, eps=eps)
+                            config, norm=norm_weight, eps=eps, bias=bias, normed=normed)
 
 
 def norm_glu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
-             config=None) -> torch.Tensor:
-    """silu(gate) * up of rms_norm(x) for one row x [1, K] and gate_up [2I, K] -> [1, I]."""
+             config=None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of rms_norm(x) for one row x [1, K] and gate_up [2I, K] (+ bias [2I])
+    -> [1, I]."""
     half = gate_up.shape[0] // 2
     y = torch.empty(1, half, device=x.device, dtype=x.dtype)
     return _launch_row_gemv(GLU, x, gate_up, y, lambda rows: triton.cdiv(half, rows), config,
-                            norm=norm_weight, eps=eps, pair=half)
+                            norm=norm_weight, eps=eps, pair=half, bias=bias)
 
 
 def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, sin, slots,
-                        k_cache, v_cache, config=None, kv_scales=None) -> torch.Tensor:
-    """The fused qkv projection of rms_norm(x) for one token x [1, K], q and k rotated (cos/sin
-    [1, head_dim], equal halves), k and v stored at cache slot slots[0] (caches [pages,
-    page_size, Hkv, d]; an fp8 cache with its `kv_scales` [2, Hkv(, 1)] float32 stores
-    noesis.kv.fp8.quantize of them). Returns qkv [1, (H + 2 Hkv) d], rotated, unscaled."""
+                        k_cache, v_cache, config=None, kv_scales=None, bias=None):
+    """The fused qkv projection of rms_norm(x) for one token x [1, K] (+ bias [(H + 2 Hkv) d]),
+    q and k rotated (cos/sin [1, head_dim], equal halves), k and v stored at cache slot
+    slots[0] (caches [pages, page_size, Hkv, d]; an fp8 cache with its `kv_scales` [2, Hkv(,
+    1)] float32 stores noesis.kv.fp8.quantize of them). Returns qkv [1, (H + 2 Hkv) d],
+    rotated, unscaled."""
     heads = num_heads + 2 * num_kv_heads
     head_dim = qkv.shape[0] // heads
     half = head_dim // 2
@@ -272,5 +306,5 @@ def norm_qkv_rope_store(x, norm_weight, eps, qkv, num_heads, num_kv_heads, cos, 
         QKV, x, qkv, y, lambda rows: heads * (half // rows), config, norm=norm_weight, eps=eps,
         pair=half, rope=(cos, sin, slots, k_cache.view(-1, *k_cache.shape[2:]),
                          v_cache.view(-1, *v_cache.shape[2:])),
-        heads=(num_heads, num_kv_heads, head_dim), kv_scales=kv_scales,
+        heads=(num_heads, num_kv_heads, head_dim), kv_scales=kv_scales, bias=bias,
     )

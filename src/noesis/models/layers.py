@@ -60,14 +60,19 @@ class Attention(nn.Module):
         return ops.row_projection(out.reshape(x.shape[0], self.q_size), self.o_proj)
 
     def forward_one_row(self, stream, norm: RMSNorm, cos, sin, kv_cache, meta, attention):
-        """stream + attention(norm(stream)) for one token: norm, qkv, RoPE and the cache write
-        in one kernel, the output projection and the residual add in another."""
+        """stream + attention(norm(stream)) for one token: norm, qkv (its bias, the per-head q/k
+        norms), RoPE and the cache write in one kernel, the output projection (its bias) and
+        the residual add in another."""
+        qk_norm = None
+        if self.q_norm is not None:
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         qkv = ops.norm_qkv_rope_store(
             stream, norm.weight, norm.eps, self.qkv_proj, self.num_heads,
-            self.num_kv_heads, cos, sin, meta.slot_mapping, kv_cache,
+            self.num_kv_heads, cos, sin, meta.slot_mapping, kv_cache, qk_norm,
         )
         q, k, v = self._split_heads(qkv)
-        out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        out = attention.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                               **self._extras())
         return ops.gemv(out.reshape(1, self.q_size), self.o_proj, residual=stream)
 
     def _extras(self) -> dict:
@@ -118,22 +123,29 @@ PACKED_ONE_ROW = False
 
 
 def fusable_one_row(config: ModelConfig, model: nn.Module) -> bool:
-    """Whether the decoder's blocks can take the fused one-row path: bias-free projections the
-    one-row kernels read (plain linear, or, with PACKED_ONE_ROW, packed int4 / int8 in
-    whole-tile groups), dense MLPs, plain attention, no q/k norm, rotary over the whole head.
-    Asked once the weights are in (a GPTQ projection's act-order is read from its loaded
-    table)."""
-    if config.moe is not None or config.attention_sinks or config.attn_softcap is not None:
+    """Whether the decoder's blocks can take the fused one-row path: projections the one-row
+    kernels read (plain linear, with or without bias, or, with PACKED_ONE_ROW, bias-free packed
+    int4 / int8 in whole-tile groups), dense or routed-expert MLPs, attention with or without
+    sinks but not soft-capped, rotary over the whole head, q/k norms (RMSNorm, with row_gemv's
+    plain projections: the RoPE kernel normalizes the heads). Asked once the weights are in (a
+    GPTQ projection's act-order is read from its loaded table)."""
+    if config.attn_softcap is not None:
         return False
-    linears = [m for name, m in model.named_modules()
-               if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
+    modules = dict(model.named_modules())
+    linears = [m for name, m in modules.items()
+               if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "router"))]
     rotary = config.rope.rotary_dim or config.head_dim
+    if config.qk_norm:  # the RoPE kernel normalizes the heads the plain projection made
+        norms_and_qkv = [m for name, m in modules.items()
+                         if name.endswith(("q_norm", "k_norm", "qkv_proj"))]
+        if any(type(m) not in (RMSNorm, nn.Linear) for m in norms_and_qkv):
+            return False
     return (all(_one_row_projection(m) for m in linears)
-            and not config.qk_norm and rotary == config.head_dim and config.head_dim % 2 == 0)
+            and rotary == config.head_dim and config.head_dim % 2 == 0)
 
 
 def _one_row_projection(proj: nn.Module) -> bool:
     if type(proj) is nn.Linear:
-        return proj.bias is None
+        return True
     return (PACKED_ONE_ROW and type(proj) is PackedLinear and proj.bias is None
             and proj.whole_tile_groups())

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from noesis.kernels import moe as moe_ops
+from noesis.kernels import ops
 from noesis.models.config import ModelConfig
 from noesis.weights.mxfp4 import MXFP4_BLOCK, Mxfp4Weight
 
@@ -47,7 +48,8 @@ class Experts(nn.Module):
                 self.register_parameter(f"{name}_{kind}", nn.Parameter(tensor, False))
         self.packed = True
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         return moe_ops.experts(
             x,
             ids,
@@ -57,6 +59,7 @@ class Experts(nn.Module):
             self.activation,
             self.gate_up_proj_bias,
             self.down_proj_bias,
+            residual,
         )
 
     def _projection(self, name: str) -> torch.Tensor | Mxfp4Weight:
@@ -80,3 +83,10 @@ class SparseMoeBlock(nn.Module):
         logits = self.router(x)  # [T, E]
         weights, ids = moe_ops.route(logits, self.top_k, self.routing, self.renormalize)
         return self.experts(x, ids, weights)
+
+    def forward_one_row(self, stream: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """stream + moe(norm(stream)) for one token: the norm and the router in one kernel,
+        the routing in one, the experts in three, the last adding the residual."""
+        logits, normed = ops.norm_router(stream, norm, self.router)
+        weights, ids = moe_ops.route(logits, self.top_k, self.routing, self.renormalize)
+        return self.experts(normed, ids, weights, residual=stream)
