@@ -84,6 +84,47 @@ def test_paged_decode_attention_matches_reference(
         assert not paged_decode._split_counters(q.device).any()
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_split_merge_takes_many_splits_in_chunks(sinks):
+    """A context of 38 eight-token splits merges in two chunks of 32 (the merge's work follows
+    the context, not max_model_len), with gpt-oss's sinks joining it or not."""
+    heads, kv_heads, head_dim, page_size, ctx_lens = 4, 2, 16, 4, [300, 5]
+    q, kv, tables, lens = paged_setup(2, heads, kv_heads, head_dim, page_size, ctx_lens)
+    meta = AttentionMetadata(page_size, torch.empty(0, dtype=torch.long), [], torch.arange(2),
+                             tables, lens, 300)  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    extras = {"sinks": torch.randn(heads, generator=gen)} if sinks else {}
+    expected = TorchPagedAttention().decode(q, kv, meta, 0.25, None, **extras)
+    out = paged_decode.paged_decode_attention(
+        q, kv[0], kv[1], tables, lens, 0.25, 300, None,
+        {"fused_reduce": False, "partition": 8}, **extras,
+    )  # fmt: skip
+    assert rel_err(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_merge_kernel_weighs_every_chunk_of_splits_by_its_log_sum_exp(sinks):
+    """The merge alone on crafted splits: 70 of them (three chunks), the largest log-sum-exp in
+    the last chunk, so that every earlier chunk's running sum must be rescaled."""
+    gen = torch.Generator().manual_seed(6)
+    heads, splits, dim, part = 3, 70, 16, 4
+    part_out = torch.randn(1, heads, splits, dim, generator=gen)
+    part_lse = torch.randn(1, heads, splits, generator=gen)
+    part_lse[..., 66] += 6.0
+    lens = torch.tensor([splits * part - 1])
+    sink = torch.randn(heads, generator=gen)
+    out = torch.empty(1, heads, dim)
+    paged_decode._paged_decode_reduce[(1, heads)](
+        part_out, part_lse, lens, out, sink if sinks else part_lse,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
+        part_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=dim, DIM_PAD=dim, CHUNK=32, PART=part, PDL=False, HAS_SINKS=sinks,
+    )  # fmt: skip
+    logits = torch.cat([part_lse[0], sink[:, None]], 1) if sinks else part_lse[0]
+    weights = torch.softmax(logits, dim=1)[:, :splits]  # a sink's share carries no value
+    assert rel_err(out[0], (weights[:, :, None] * part_out[0]).sum(1)) < 1e-5
+
+
 def test_add_rms_norm_matches_reference():
     gen = torch.Generator().manual_seed(1)
     x, res = torch.randn(5, 96, generator=gen), torch.randn(5, 96, generator=gen)

@@ -155,9 +155,13 @@ def _paged_decode_partial(
 def _paged_decode_reduce(
     part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, sinks_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
     PART: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
+    """Merges one (sequence, head)'s splits, CHUNK at a time with a running max, over the
+    splits its context fills: the work follows the context, not max_model_len (a tile of
+    every possible split spilled registers at a model's full context: 4-8 KB a thread at
+    40k-128k tokens)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
@@ -165,28 +169,34 @@ def _paged_decode_reduce(
         gdc_launch_dependents()
     ctx_len = tl.load(lens_ptr + b)
     num_splits = tl.cdiv(ctx_len, PART)
-    splits = tl.arange(0, MAX_SPLITS)
-    split_ok = splits < num_splits
-    lse = tl.load(part_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_ok,
-                  other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32)
-        lse_max = tl.maximum(lse_max, sink)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.where(split_ok, tl.exp(lse - lse_max), 0.0)
-    total = tl.sum(weights, axis=0)
-    if HAS_SINKS:  # the sink's share of the softmax, with no value
-        total += tl.exp(sink - lse_max)
-    total = tl.where(total == 0.0, 1.0, total)
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
-    parts = tl.load(
-        part_out_ptr + b * stride_ob + head * stride_oh + splits[:, None] * stride_os
-        + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0,
-    )
-    out = tl.sum(parts * (weights / total)[:, None], axis=0)
-    tl.store(out_ptr + b * stride_fb + head * stride_fh + dims, out, mask=dim_ok)
+    m_run = tl.full([], float("-inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    if HAS_SINKS:  # the sink starts the merge: its logit, weight exp(0), no value
+        m_run = tl.load(sinks_ptr + head).to(tl.float32)
+        total = tl.full([], 1.0, tl.float32)
+    merged = tl.zeros([DIM_PAD], tl.float32)
+    first = 0
+    while first < num_splits:  # (a while loop: Triton's interpreter runs it too)
+        splits = first + tl.arange(0, CHUNK)
+        split_ok = splits < num_splits
+        lse = tl.load(part_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_ok,
+                      other=float("-inf"))
+        parts = tl.load(
+            part_out_ptr + b * stride_ob + head * stride_oh + splits[:, None] * stride_os
+            + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0,
+        )
+        m_new = tl.maximum(m_run, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_run - m_safe)
+        weights = tl.where(split_ok, tl.exp(lse - m_safe), 0.0)
+        merged = merged * alpha + tl.sum(parts * weights[:, None], axis=0)
+        total = total * alpha + tl.sum(weights, axis=0)
+        m_run = m_new
+        first += CHUNK
+    total = tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + b * stride_fb + head * stride_fh + dims, merged / total, mask=dim_ok)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -263,7 +273,7 @@ def paged_decode_attention(
         part_out, part_lse, ctx_lens, out, sinks_arg,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=triton.next_power_of_2(max_splits),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, CHUNK=min(32, triton.next_power_of_2(max_splits)),
         PART=partition, HAS_SINKS=sinks is not None, num_warps=4, **pdl.pdl_launch(q),
     )
     return out
