@@ -513,13 +513,14 @@ GPT_OSS = {"num_local_experts": 8, "num_experts_per_tok": 4, "intermediate_size"
         # untied; the second run prefills one token after 8 cached ones
         ("llama", {}, {"enable_prefix_caching": True, "page_size": 4}, [PREFIX, PREFIX]),
         ("qwen2", {}, {}, [PREFIX[:5], [3]]),  # q/k/v biases
+        ("llama", {"attention_bias": True, "mlp_bias": True}, {}, [PREFIX[:5]]),  # every bias
         ("qwen3", {"head_dim": 128}, {}, [PREFIX[:5], [3]]),  # per-head q/k norms
         ("qwen3", {}, {}, [PREFIX[:5]]),  # head_dim 24: a half head of 12, masked lanes
         ("qwen3_moe", dict(MOE, head_dim=16), {}, [PREFIX[:5], [3]]),  # a dense layer too
         # sinks, biases everywhere, a sliding layer shorter than the sequence, routed experts
         ("gpt_oss", GPT_OSS, {}, [PREFIX, [3]]),
     ],
-    ids=["sliding-window-tied", "prefix-cached", "qwen2-bias", "qwen3-qk-norm",
+    ids=["sliding-window-tied", "prefix-cached", "qwen2-bias", "llama-all-biases", "qwen3-qk-norm",
          "qwen3-head-24", "qwen3-moe", "gpt-oss"],
 )
 def test_fused_one_row_decoder_generates_what_the_unfused_one_does(
