@@ -60,9 +60,10 @@ class Attention(nn.Module):
         return ops.row_projection(out.reshape(x.shape[0], self.q_size), self.o_proj)
 
     def forward_one_row(self, stream, norm: RMSNorm, cos, sin, kv_cache, meta, attention):
-        """stream + attention(norm(stream)) for one token: norm, qkv (its bias, the per-head q/k
-        norms), RoPE and the cache write in one kernel, the output projection (its bias) and
-        the residual add in another."""
+        """stream + attention(norm(stream)) for one token: norm, qkv (its bias), RoPE and the
+        cache write in one kernel (with per-head q/k norms, two: the projection, then the RoPE
+        kernel normalizes the heads), the output projection (its bias) and the residual add in
+        another."""
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
