@@ -46,9 +46,10 @@ def tune_case(batch: int, ctx: int, grid) -> dict:
     reference = run()
     default = graph_us(run)
     two_launches = graph_us(lambda: run({"fused_reduce": False}))
+    one_launch = graph_us(lambda: run({"fused_reduce": True}))
     best = (default, None)
     for partition, block_n, warps, stages, fused in grid:
-        if block_n > partition:
+        if block_n and partition and block_n > partition:
             continue
         tuning = {"partition": partition, "block_n": block_n, "num_warps": warps,
                   "num_stages": stages, "fused_reduce": fused}
@@ -62,18 +63,33 @@ def tune_case(batch: int, ctx: int, grid) -> dict:
         if us < best[0]:
             best = (us, tuning)
     return {"batch": batch, "ctx": ctx, "default_us": default,
-            "default_two_launches_us": two_launches, "best_us": best[0],
+            "default_two_launches_us": two_launches, "default_one_launch_us": one_launch,
+            "best_us": best[0],
             "best": best[1], "default_TBps": kv_bytes / default / 1e6,
             "best_TBps": kv_bytes / best[0] / 1e6}
 
 
 def main() -> None:
+    global HEADS, KV_HEADS, DIM, MAX_CTX
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--heads", help="query,kv,dim heads (default 32,8,128: Llama-3.1-8B)")
+    parser.add_argument("--cases", help="batch:context,... (default: the list above)")
+    parser.add_argument("--max-ctx", type=int, help=f"max_model_len (default {MAX_CTX})")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="time the default launch and the two merges only, no grid")
     args = parser.parse_args()
+    if args.heads:
+        HEADS, KV_HEADS, DIM = (int(v) for v in args.heads.split(","))
+    MAX_CTX = args.max_ctx or MAX_CTX
+    cases = CASES
+    if args.cases:
+        cases = [tuple(int(v) for v in case.split(":")) for case in args.cases.split(",")]
     grid = list(itertools.product((64, 128, 256, 512), (32, 64), (4,), (2, 3), (True, False)))
+    if args.defaults_only:
+        grid = [(None, None, 4, None, True)]
     results = []
-    for batch, ctx in CASES:
+    for batch, ctx in cases:
         row = tune_case(batch, ctx, grid)
         results.append(row)
         print(json.dumps(row), flush=True)

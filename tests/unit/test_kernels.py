@@ -102,6 +102,29 @@ def test_the_split_merge_takes_many_splits_in_chunks(sinks):
     assert rel_err(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
+def test_a_capped_grid_takes_several_splits_a_program(monkeypatch, fused):
+    """Eight programs per (sequence, KV head) over 38 and 1 eight-token splits: each program
+    takes every eighth split (a grid of every split of max_model_len cost more to launch than
+    the attention at short contexts); both merges see every split once."""
+    assert paged_decode.split_programs(4, 2048) == 1024  # batch 1, 4 KV heads, 131k tokens
+    assert paged_decode.split_programs(512, 512) == 8  # batch 64, 8 KV heads
+    assert paged_decode.split_programs(4, 32) == 32  # max_model_len 2,048: one split each
+    monkeypatch.setattr(paged_decode, "SPLIT_GRID", 1)
+    heads, kv_heads, head_dim, page_size, ctx_lens = 4, 2, 16, 4, [300, 5]
+    q, kv, tables, lens = paged_setup(2, heads, kv_heads, head_dim, page_size, ctx_lens)
+    meta = AttentionMetadata(page_size, torch.empty(0, dtype=torch.long), [], torch.arange(2),
+                             tables, lens, 300)  # fmt: skip
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(5))
+    expected = TorchPagedAttention().decode(q, kv, meta, 0.25, None, sinks=sinks)
+    out = paged_decode.paged_decode_attention(
+        q, kv[0], kv[1], tables, lens, 0.25, 300, None,
+        {"fused_reduce": fused, "partition": 8}, sinks=sinks,
+    )  # fmt: skip
+    assert rel_err(out, expected) < 1e-5
+    assert not paged_decode._split_counters(q.device).any()
+
+
 @pytest.mark.parametrize("sinks", [False, True])
 def test_the_merge_kernel_weighs_every_chunk_of_splits_by_its_log_sum_exp(sinks):
     """The merge alone on crafted splits: 70 of them (three chunks), the largest log-sum-exp in

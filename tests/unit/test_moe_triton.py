@@ -153,6 +153,8 @@ def test_mxfp4_experts_load_packed_and_info_prices_them(checkpoints, tmp_path):
         (60, 4, "softmax_topk", False, torch.float32),  # not a power of two, not renormalized
         (32, 4, "topk_softmax", False, torch.bfloat16),  # gpt-oss
         (32, 3, "topk_softmax", False, torch.float32),
+        (256, 8, "softmax_topk", True, torch.float32),  # DeepSeek-V3's 256
+        (160, 4, "topk_softmax", False, torch.bfloat16),
     ],
 )
 def test_fused_routing_equals_torch(experts, top_k, routing, renormalize, dtype):
@@ -177,7 +179,9 @@ def test_fused_routing_equals_torch(experts, top_k, routing, renormalize, dtype)
         assert not torch.allclose(other, weights)
 
 
-def test_fused_routing_takes_the_lowest_expert_of_equal_logits():
-    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 2.0, -1.0, 0.0, 2.0]])
+@pytest.mark.parametrize("experts", [8, 200])
+def test_fused_routing_takes_the_lowest_expert_of_equal_logits(experts):
+    logits = torch.full((1, experts), -5.0)
+    logits[0, :8] = torch.tensor([0.5, 2.0, 1.0, 2.0, 2.0, -1.0, 0.0, 2.0])
     _, ids = moe_triton.route(logits, 3, "softmax_topk", True)
     assert ids.tolist() == [[1, 3, 4]]

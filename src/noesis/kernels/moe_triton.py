@@ -24,6 +24,7 @@ each launches while the one before it finishes and waits for it before its first
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +49,13 @@ class Tiles:
 
 # Decode, (gate_up, down) by MXFP4 or not: narrow column blocks, so that even one token's pairs
 # fill the GPU; MXFP4 reads half as many bytes per K tile, so its tiles are longer. The best of
-# a sweep on the H100 at batch 1 (gpt-oss-20b and Qwen3-30B-A3B shapes, RESULTS.md).
+# sweeps at batch 1 (`benchmarks/moe_gemv_sweep.py --tiles gemv`, RESULTS.md): bf16 on the H100
+# (Qwen3-30B-A3B), MXFP4 on the H200 (gpt-oss-20b) after the word decode, whose gate_up gained
+# most from wider column blocks (8 -> 32).
 GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(16, 256, 4)),
-              True: (Tiles(8, 512, 4), Tiles(8, 1024, 4))}  # fmt: skip
+              True: (Tiles(32, 512, 4), Tiles(16, 1024, 4))}  # fmt: skip
 SORTED = Tiles(64, 64, 4)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no assembly
 
 
 def uses_gemv(num_pairs: int, num_experts: int, top_k: int) -> bool:
@@ -143,18 +147,20 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
     hidden, inner = x.shape[1], act.shape[1]
     tiles = GEMV_TILES[isinstance(gate_up, Mxfp4Weight)][0]
     _gemv_gate_up[(tokens * top_k, triton.cdiv(inner, tiles.block_n))](
-        x, ids, *_operands(gate_up), _or(gate_up_bias, x), act, glu["limit"], glu["alpha"],
+        x, ids, *_operands(gate_up, words=True), _or(gate_up_bias, x), act, glu["limit"],
+        glu["alpha"],
         TOP_K=top_k, H=hidden, I=inner, MXFP4=isinstance(gate_up, Mxfp4Weight),
         HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"], BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, **pdl.pdl_launch(x),
+        BLOCK_K=tiles.block_k, INTERPRET=INTERPRET, num_warps=tiles.num_warps,
+        **pdl.pdl_launch(x),
     )  # fmt: skip
     tiles = GEMV_TILES[isinstance(down, Mxfp4Weight)][1]
     partial = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _gemv_down[(tokens * top_k, triton.cdiv(hidden, tiles.block_n))](
-        act, ids, weights, *_operands(down), _or(down_bias, x), partial,
+        act, ids, weights, *_operands(down, words=True), _or(down_bias, x), partial,
         H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
         HAS_BIAS=down_bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, **pdl.pdl_launch(x),
+        INTERPRET=INTERPRET, num_warps=tiles.num_warps, **pdl.pdl_launch(x),
     )  # fmt: skip
     return partial
 
@@ -199,10 +205,12 @@ def _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act
     return partial
 
 
-def _operands(weight: Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values or MXFP4 blocks, MXFP4 scales or the values again as an unused pointer)."""
+def _operands(weight: Weight, words: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values or MXFP4 blocks, MXFP4 scales or the values again as an unused pointer); with
+    `words` the blocks as int32 words of eight codes."""
     if isinstance(weight, Mxfp4Weight):
-        return weight.blocks, weight.scales
+        blocks = weight.blocks.view(torch.int32) if words else weight.blocks
+        return blocks, weight.scales
     return weight, weight
 
 
@@ -283,7 +291,7 @@ def _gemv_gate_up(
     x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, limit, alpha,
     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T): one pair, BLOCK_N columns of gate and
     the same of up, read as 2 * BLOCK_N interleaved rows (gate, up, gate, ...)."""
@@ -295,7 +303,8 @@ def _gemv_gate_up(
     cols = tl.program_id(1) * BLOCK_N + r // 2
     rows = cols + (r % 2) * I
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * H
-    acc = _gemv(x_row, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4, 2 * BLOCK_N, BLOCK_K)
+    acc = _gemv(x_row, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4, 2 * BLOCK_N, BLOCK_K,
+                INTERPRET)  # fmt: skip
     if PDL:
         gdc_launch_dependents()
     if HAS_BIAS:
@@ -311,7 +320,7 @@ def _gemv_gate_up(
 def _gemv_down(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
     H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[p, cols] = weight[p] * (act[p] @ down[ids[p]].T) in float32, one pair per program
     (a token's k pairs run side by side; _sum_slots_kernel adds them)."""
@@ -322,7 +331,8 @@ def _gemv_down(
     col_ok = cols < H
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     act_row = act_ptr + pair.to(tl.int64) * I
-    y = _gemv(act_row, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4, BLOCK_N, BLOCK_K)
+    y = _gemv(act_row, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4, BLOCK_N, BLOCK_K,
+              INTERPRET)  # fmt: skip
     if PDL:
         gdc_launch_dependents()
     if HAS_BIAS:
@@ -413,22 +423,32 @@ def _sorted_down(
 
 @triton.jit
 def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.constexpr,
-          MXFP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles. MXFP4 sums each block of
-    32 products unscaled, then scales the block's sum once."""
+          MXFP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+          INTERPRET: tl.constexpr):  # fmt: skip
+    """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles. MXFP4 reads its codes as
+    int32 words of eight, decodes a word in 32-bit operations (`_e2m1_word`), multiplies the
+    eight values with x's columns strided by 8, sums each block of 32 products unscaled, then
+    scales the block's sum once."""
     # Each iteration issues the next tile's loads before it computes on this one (a plain
     # range loop is not software-pipelined: launch num_stages changed nothing).
     if MXFP4:
         acc = tl.zeros((ROWS, BLOCK_K // 32), tl.float32)
-        x_even, x_odd = _x_halves(x_row, 0, K, BLOCK_K)
-        packed, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K)
+        words, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K, 8)
         for k0 in range(0, K, BLOCK_K):
-            next_even, next_odd = _x_halves(x_row, k0 + BLOCK_K, K, BLOCK_K)
-            next_packed, next_scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok,
-                                                  k0 + BLOCK_K, N, K, BLOCK_K)  # fmt: skip
-            prod = _e2m1(packed & 15) * x_even[None, :] + _e2m1(packed >> 4) * x_odd[None, :]
-            acc += tl.sum(tl.reshape(prod, (ROWS, BLOCK_K // 32, 16)), axis=2) * scale
-            x_even, x_odd, packed, scale = next_even, next_odd, next_packed, next_scale
+            next_words, next_scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok,
+                                                 k0 + BLOCK_K, N, K, BLOCK_K, 8)  # fmt: skip
+            c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(words, INTERPRET)
+            cols = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+            part = c0 * _x_at(x_row, cols, K)[None, :]
+            part += c1 * _x_at(x_row, cols + 1, K)[None, :]
+            part += c2 * _x_at(x_row, cols + 2, K)[None, :]
+            part += c3 * _x_at(x_row, cols + 3, K)[None, :]
+            part += c4 * _x_at(x_row, cols + 4, K)[None, :]
+            part += c5 * _x_at(x_row, cols + 5, K)[None, :]
+            part += c6 * _x_at(x_row, cols + 6, K)[None, :]
+            part += c7 * _x_at(x_row, cols + 7, K)[None, :]
+            acc += tl.sum(tl.reshape(part, (ROWS, BLOCK_K // 32, 4)), axis=2) * scale
+            words, scale = next_words, next_scale
     else:
         acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
         x, w = _plain_tile(x_row, w_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K)
@@ -441,12 +461,8 @@ def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _x_halves(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x's even and odd columns of the K tile at k0, float32 (0 past K)."""
-    cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-    x_even = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-    x_odd = tl.load(x_row + cols + 1, mask=cols < K, other=0.0).to(tl.float32)
-    return x_even, x_odd
+def _x_at(x_row, cols, K: tl.constexpr):
+    return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -491,20 +507,56 @@ def _tile_matmul(x_rows, x_ok, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constex
 
 @triton.jit
 def _mxfp4_load(b_ptr, s_ptr, expert, rows, row_ok, k0, N: tl.constexpr, K: tl.constexpr,
-                BLOCK_K: tl.constexpr):  # fmt: skip
-    """Columns k0 .. k0 + BLOCK_K of W[expert, rows]: the code bytes [ROWS, BLOCK_K / 2] and the
-    blocks' scales [ROWS, BLOCK_K / 32] as float32, times 2^14 (what `_e2m1` leaves out)."""
-    BYTES: tl.constexpr = K // 2  # per row
+                BLOCK_K: tl.constexpr, CODES: tl.constexpr = 2):  # fmt: skip
+    """Columns k0 .. k0 + BLOCK_K of W[expert, rows]: the codes as stored [ROWS, BLOCK_K / CODES]
+    (uint8 bytes of two, or the same memory as int32 words of eight) and the blocks' scales
+    [ROWS, BLOCK_K / 32] as float32, times 2^14 (what `_e2m1` leaves out)."""
+    PER_ROW: tl.constexpr = K // CODES
     GROUPS: tl.constexpr = K // 32
-    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
-    packed = tl.load(b_ptr + expert * N * BYTES + rows[:, None] * BYTES + j[None, :],
-                     mask=row_ok[:, None] & (j < BYTES)[None, :], other=0)  # fmt: skip
+    j = k0 // CODES + tl.arange(0, BLOCK_K // CODES)
+    packed = tl.load(b_ptr + expert * N * PER_ROW + rows[:, None] * PER_ROW + j[None, :],
+                     mask=row_ok[:, None] & (j < PER_ROW)[None, :], other=0)  # fmt: skip
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     exponent = tl.load(s_ptr + expert * N * GROUPS + rows[:, None] * GROUPS + g[None, :],
                        mask=row_ok[:, None] & (g < GROUPS)[None, :], other=0)  # fmt: skip
     # 2^(e - 127 + 14) built as a float32's bits: exact for biased exponents e <= 240
     scale = ((exponent.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     return packed, scale
+
+
+# An int32 word of eight E2M1 codes (the first in the low bits) -> the eight values * 2^-14 in
+# float32 ($0-$7, in order), like `_e2m1` but two codes at a time in 32-bit operations: each
+# half of a register gets a code's sign at bit 15 and its exponent and mantissa bits at 9-11,
+# then float16 -> float32. Codes 0 and 4 sit at bits 0-3 and 16-19, 2 and 6 at 8-11 and
+# 24-27; 1, 5, 3 and 7 four bits up. About 5 instructions a code in the GEMV's loop against
+# 8.8 for the byte-wise decode it replaced (sm_90 SASS).
+_E2M1_WORD_ASM = tl.constexpr("""{
+.reg .b32 a, b, p;
+.reg .b16 l, h;
+shl.b32 a, $8, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 12; and.b32 b, b, 0x80008000;
+or.b32 p, a, b; mov.b32 {l, h}, p; cvt.f32.f16 $0, l; cvt.f32.f16 $4, h;
+shl.b32 a, $8, 1; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 4; and.b32 b, b, 0x80008000;
+or.b32 p, a, b; mov.b32 {l, h}, p; cvt.f32.f16 $2, l; cvt.f32.f16 $6, h;
+shl.b32 a, $8, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 8; and.b32 b, b, 0x80008000;
+or.b32 p, a, b; mov.b32 {l, h}, p; cvt.f32.f16 $1, l; cvt.f32.f16 $5, h;
+shr.b32 a, $8, 3; and.b32 a, a, 0x0E000E00; and.b32 b, $8, 0x80008000;
+or.b32 p, a, b; mov.b32 {l, h}, p; cvt.f32.f16 $3, l; cvt.f32.f16 $7, h;
+}""")
+
+
+@triton.jit
+def _e2m1_word(words, INTERPRET: tl.constexpr):
+    """int32 words of eight codes (the first in the low bits) -> the eight codes' values
+    * 2^-14, float32, in order: `_E2M1_WORD_ASM` on a GPU, `_e2m1` on each code under Triton's
+    interpreter (which runs no assembly)."""
+    if INTERPRET:
+        return (_e2m1(words & 15), _e2m1((words >> 4) & 15), _e2m1((words >> 8) & 15),
+                _e2m1((words >> 12) & 15), _e2m1((words >> 16) & 15), _e2m1((words >> 20) & 15),
+                _e2m1((words >> 24) & 15), _e2m1((words >> 28) & 15))  # fmt: skip
+    return tl.inline_asm_elementwise(
+        _E2M1_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8,
+        is_pure=True, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit

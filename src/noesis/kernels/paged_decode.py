@@ -32,6 +32,17 @@ def fused_merge(batch: int) -> bool:
     return batch > 8
 
 
+def split_programs(pairs: int, max_splits: int) -> int:
+    """Programs per (sequence, KV head) in the partial kernel's grid: one per split up to about
+    4,096 programs in all, then each takes every n-th split. A program per possible split of
+    max_model_len (2,048 per KV head at 131k tokens of 64) cost more to launch than the
+    attention itself at short contexts."""
+    return max(1, min(max_splits, max(8, SPLIT_GRID // pairs)))
+
+
+SPLIT_GRID = 4096
+
+
 def pipeline_stages(batch: int) -> int:
     """Software-pipeline depth of the partial kernel's loop: 2 measured faster above batch 8."""
     return 3 if batch <= 8 else 2
@@ -54,14 +65,12 @@ def _paged_decode_partial(
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + b)  # step inputs, copied in before the step's first kernel
-    start = split * PART
-    if start >= ctx_len:
+    num_splits = tl.cdiv(ctx_len, PART)
+    if tl.program_id(2) >= num_splits:
         return
     if PDL:
         gdc_wait()  # q and this token's k/v come from the kernel before
-    end = tl.minimum(start + PART, ctx_len)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
     row_ok = rows < GROUP
@@ -74,81 +83,92 @@ def _paged_decode_partial(
     query_pos = ctx_len - 1
     if FP8:  # keys and values stored divided by a per-head scale: k's joins the score scale
         scale = scale * tl.load(kv_scales_ptr + kv_head)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for block in range(0, PART, BLOCK_N):  # fixed trip count; masks cut the tail
-        tokens = start + block + tl.arange(0, BLOCK_N)
-        tok_ok = tokens < end
-        if HAS_WINDOW:
-            tok_ok = tok_ok & (tokens > query_pos - window)
-        pages = tl.load(tables_ptr + b * stride_tb + tokens // PAGE_SIZE, mask=tok_ok, other=0)
-        offsets = pages * stride_kp + (tokens % PAGE_SIZE) * stride_ks + kv_head * stride_kh
-        kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        if HAS_SOFTCAP:  # softcap * tanh(scores / softcap), tanh(x) = 2 / (1 + e^-2x) - 1
-            scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0)
-        scores = tl.where(tok_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        v = tl.load(v_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            v = v.to(q.dtype)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv.to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-    if PDL:
-        gdc_launch_dependents()
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    if FP8:  # v's scale, once per split (the merge is linear in the splits' outputs)
-        out = out * tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
-    out_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
-    tl.store(out_ptrs + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
-    if FUSED_REDUCE:
-        # The last split of (sequence, KV head) to finish merges all of them: one launch instead
-        # of a second kernel. The barrier orders every thread's stores before the counter's
-        # release; the counter goes back to zero for the next launch.
-        tl.debug_barrier()
-        counter = counters_ptr + b * tl.num_programs(1) + kv_head
-        num_splits = tl.cdiv(ctx_len, PART)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+    # The grid's third axis is capped (paged_decode_attention): this program takes splits
+    # program_id(2), + num_programs(2), ... of the context (a while loop: the interpreter's
+    # range takes no tensors)
+    split = tl.program_id(2)
+    while split < num_splits:
+        start = split * PART
+        end = tl.minimum(start + PART, ctx_len)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for block in range(0, PART, BLOCK_N):  # fixed trip count; masks cut the tail
+            tokens = start + block + tl.arange(0, BLOCK_N)
+            tok_ok = tokens < end
+            if HAS_WINDOW:
+                tok_ok = tok_ok & (tokens > query_pos - window)
+            pages = tl.load(tables_ptr + b * stride_tb + tokens // PAGE_SIZE, mask=tok_ok,
+                            other=0)  # fmt: skip
+            offsets = (pages * stride_kp + (tokens % PAGE_SIZE) * stride_ks
+                       + kv_head * stride_kh)  # fmt: skip
+            kv_mask = tok_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if FP8:
+                k = k.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            if HAS_SOFTCAP:  # softcap * tanh(scores / softcap), tanh(x) = 2 / (1 + e^-2x) - 1
+                scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0)
+            scores = tl.where(tok_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(v_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if FP8:
+                v = v.to(q.dtype)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        if PDL:
+            gdc_launch_dependents()
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        if FP8:  # v's scale, once per split (the merge is linear in the splits' outputs)
+            out = out * tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+        out_ptrs = (part_out_ptr + b * stride_ob + heads[:, None] * stride_oh
+                    + split * stride_os)  # fmt: skip
+        tl.store(out_ptrs + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+        if FUSED_REDUCE:
+            # The last split of (sequence, KV head) to finish merges all of them: one launch
+            # instead of a second kernel. The barrier orders every thread's stores before the
+            # counter's release; the counter goes back to zero for the next launch.
             tl.debug_barrier()
-            tl.store(counter, 0)
-            m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            l_run = tl.zeros([GROUP_PAD], tl.float32)
-            if HAS_SINKS:  # the sink starts the merge: its logit, weight exp(0), no value
-                m_run = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
-                l_run = tl.full([GROUP_PAD], 1.0, tl.float32)
-            merged = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-            s = 0
-            while s < num_splits:  # (a while loop: Triton's interpreter runs it too)
-                lse_s = tl.load(part_lse_ptr + b * stride_lb + heads * stride_lh + s,
-                                mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(
-                    part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
-                    + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
-                    cache_modifier=".cg",
-                )
-                m_new = tl.maximum(m_run, lse_s)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_run - m_safe)
-                weight = tl.exp(lse_s - m_safe)
-                merged = merged * alpha[:, None] + part * weight[:, None]
-                l_run = l_run * alpha + weight
-                m_run = m_new
-                s += 1
-            l_run = tl.where(l_run == 0.0, 1.0, l_run)
-            final = out_ptr + b * stride_fb + heads[:, None] * stride_fh + dims[None, :]
-            tl.store(final, merged / l_run[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+            counter = counters_ptr + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+                tl.debug_barrier()
+                tl.store(counter, 0)
+                m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                l_run = tl.zeros([GROUP_PAD], tl.float32)
+                if HAS_SINKS:  # the sink starts the merge: its logit, weight exp(0), no value
+                    m_run = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+                    l_run = tl.full([GROUP_PAD], 1.0, tl.float32)
+                merged = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+                s = 0
+                while s < num_splits:  # (a while loop: Triton's interpreter runs it too)
+                    lse_s = tl.load(part_lse_ptr + b * stride_lb + heads * stride_lh + s,
+                                    mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    part = tl.load(
+                        part_out_ptr + b * stride_ob + heads[:, None] * stride_oh
+                        + s * stride_os + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                        other=0.0, cache_modifier=".cg",
+                    )
+                    m_new = tl.maximum(m_run, lse_s)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m_run - m_safe)
+                    weight = tl.exp(lse_s - m_safe)
+                    merged = merged * alpha[:, None] + part * weight[:, None]
+                    l_run = l_run * alpha + weight
+                    m_run = m_new
+                    s += 1
+                l_run = tl.where(l_run == 0.0, 1.0, l_run)
+                final = out_ptr + b * stride_fb + heads[:, None] * stride_fh + dims[None, :]
+                tl.store(final, merged / l_run[:, None],
+                         mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
+        split += tl.num_programs(2)
 
 
 @triton.jit(do_not_specialize=["stride_ob", "stride_lb"])
@@ -249,7 +269,7 @@ def paged_decode_attention(
     dim_pad = triton.next_power_of_2(head_dim)
     sinks_arg = sinks if sinks is not None else part_lse  # unread without sinks
     scales_arg = kv_scales if kv_scales is not None else part_lse  # unread without fp8
-    _paged_decode_partial[(batch, num_kv_heads, max_splits)](
+    _paged_decode_partial[(batch, num_kv_heads, split_programs(batch * num_kv_heads, max_splits))](
         q, k_cache, v_cache, block_tables, ctx_lens, part_out, part_lse, counters, out,
         sinks_arg, scales_arg, scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1),
