@@ -11,6 +11,9 @@ bandwidth measured in the same run.
     python benchmarks/gpu_moe_model.py --shape gpt-oss-20b --json out.json
     python benchmarks/gpu_moe_model.py --shape qwen3-30b-a3b --layers 24 --json out.json
 
+--old-moe FILE adds a batch-1 row with the experts kernels of another moe_triton.py (a previous
+commit's), the same call's "before" for a kernel change.
+
 --layers keeps the real widths with fewer layers (the full Qwen3-30B-A3B, 61 GB in bf16, does
 not fit the lent machine's disk beside anything else); the table says how many ran.
 """
@@ -60,6 +63,9 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--unfused", action="store_true",
                         help="also time noesis at batch 1 with the fused one-row blocks off")
+    parser.add_argument("--old-moe", type=Path,
+                        help="also time noesis at batch 1 with the experts kernels of this "
+                        "moe_triton.py (e.g. `git show REV:src/noesis/kernels/moe_triton.py`)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench-moe"))
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
@@ -78,11 +84,30 @@ def main() -> None:
         report["noesis_unfused"] = guarded(bench_noesis, path, bandwidth, [1],
                                            one_row_fusion=False)  # fmt: skip
         release_memory()
+    if args.old_moe:
+        report["noesis_old_moe"] = guarded(_with_old_experts, args.old_moe, path, bandwidth)
+        report["old_moe"] = str(args.old_moe)
+        release_memory()
     args.json.write_text(json.dumps(report, indent=1))
     if not args.no_hf:
         report["transformers"] = guarded(bench_transformers, path, batches, SHAPES[args.shape][1])
         args.json.write_text(json.dumps(report, indent=1))
     print_table(report)
+
+
+def _with_old_experts(module_path: Path, path: Path, bandwidth: float) -> dict:
+    """bench_noesis at batch 1 with noesis.kernels.moe_triton swapped for another file's (the
+    engine looks the module up on the package at each call)."""
+    from moe_gemv_sweep import load_module
+
+    import noesis.kernels as kernels
+
+    saved = kernels.moe_triton
+    kernels.moe_triton = load_module(module_path)
+    try:
+        return bench_noesis(path, bandwidth, [1])
+    finally:
+        kernels.moe_triton = saved
 
 
 def write_checkpoint(out: Path, shape: str, layers: int | None, device: str = "cuda", **sizes):
@@ -212,6 +237,8 @@ def print_table(report: dict) -> None:
     unfused = report.get("noesis_unfused", {}).get("batches", {})
     rows = [(str(b), r) for b, r in ours.items()]
     rows += [(f"{b}, one-row fusion off", r) for b, r in unfused.items()]
+    old = report.get("noesis_old_moe", {}).get("batches", {})
+    rows += [(f"{b}, experts of {Path(report['old_moe']).name}", r) for b, r in old.items()]
     for label, row in rows:
         hf = theirs.get(int(label.split(",")[0]), {}).get("tok_s")
         ratio = f"{row['tok_s'] / hf:.2f}x" if hf else "-"

@@ -43,7 +43,7 @@ def main() -> None:
 
     bandwidth = copy_bandwidth("cuda", 1 << 30)
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    old = _load(args.old) if args.old else None
+    old = load_module(args.old) if args.old else None
     rows = []
     print("| shape | batch | variant | ms | share of roofline | rel. error |")
     print("|---|---|---|---|---|---|")
@@ -154,7 +154,8 @@ def _rel(ours, ref) -> float:
     return ((ours.float() - ref).norm() / ref.norm()).item()
 
 
-def _load(path: Path):
+def load_module(path: Path):
+    """A moe_triton.py from elsewhere (a previous commit's) as its own module."""
     spec = importlib.util.spec_from_file_location("moe_triton_old", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

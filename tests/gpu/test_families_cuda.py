@@ -38,14 +38,19 @@ PROMPTS = [[0, 5, 9, 77, 100, 21], list(range(30, 50))]
     "extras", [{"sinks": True}, {"softcap": 30.0}, {"sinks": True, "softcap": 30.0}]
 )
 @pytest.mark.parametrize("batch", [1, 64])
-def test_paged_decode_extras_compiled(dtype, extras, batch):
+@pytest.mark.parametrize("split_grid", [None, 1], ids=["grid", "capped-grid"])
+def test_paged_decode_extras_compiled(dtype, extras, batch, split_grid, monkeypatch):
+    """capped-grid: eight programs per (sequence, KV head), each looping over every eighth
+    split (batch 1's 64-token splits of 999 tokens: 16)."""
     from noesis.kernels import paged_decode
     from noesis.runner.attention import TorchPagedAttention
     from noesis.runner.inputs import AttentionMetadata
 
+    if split_grid is not None:
+        monkeypatch.setattr(paged_decode, "SPLIT_GRID", split_grid)
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, page = 64, 8, 64, 16
-    lens = torch.randint(1, 700, (batch,), generator=gen)
+    lens = torch.randint(1, 700, (batch,), generator=gen) + (600 if split_grid else 0)
     pages = -(-lens.max().item() // page)
     kv = torch.randn(2, batch * pages + 1, page, kv_heads, dim, generator=gen)
     tables = torch.arange(1, batch * pages + 1).view(batch, pages)
