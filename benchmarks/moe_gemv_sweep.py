@@ -90,11 +90,13 @@ def _variants(mxfp4: bool, old, sweep_tiles: str | None):
     from noesis.kernels import moe_triton
     from noesis.kernels.moe_triton import Tiles
 
-    def patch(experts=moe_triton, route=moe_ops.route, tiles=None, sorted_tiles=None):
+    def patch(experts=moe_triton, route=moe_ops.route, tiles=None, sorted_tiles=None,
+              route_warps=1):
         def setup():
             saved = (kernels.moe_triton, moe_ops.route, dict(moe_triton.GEMV_TILES),
-                     moe_triton.SORTED)  # fmt: skip
+                     moe_triton.SORTED, moe_triton.ROUTE_WARPS)  # fmt: skip
             kernels.moe_triton, moe_ops.route = experts, route
+            moe_triton.ROUTE_WARPS = route_warps
             if tiles is not None:
                 moe_triton.GEMV_TILES = {**saved[2], mxfp4: (Tiles(*tiles[0]), Tiles(*tiles[1]))}
             if sorted_tiles is not None:
@@ -102,7 +104,7 @@ def _variants(mxfp4: bool, old, sweep_tiles: str | None):
 
             def restore():
                 kernels.moe_triton, moe_ops.route = saved[:2]
-                moe_triton.GEMV_TILES, moe_triton.SORTED = saved[2:]
+                moe_triton.GEMV_TILES, moe_triton.SORTED, moe_triton.ROUTE_WARPS = saved[2:]
 
             return restore
 
@@ -112,6 +114,8 @@ def _variants(mxfp4: bool, old, sweep_tiles: str | None):
         yield "old experts, torch routing", patch(experts=old, route=moe_ops.torch_route)
     yield "torch routing", patch(route=moe_ops.torch_route)
     yield "fused routing (default)", patch()
+    yield "fused routing on 2 warps", patch(route_warps=2)
+    yield "fused routing on 4 warps (Triton's default)", patch(route_warps=4)
     if sweep_tiles == "sorted":
         for block_n in (32, 64, 128):
             for block_k in (64, 128, 256):

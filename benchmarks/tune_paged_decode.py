@@ -85,7 +85,7 @@ def main() -> None:
     cases = CASES
     if args.cases:
         cases = [tuple(int(v) for v in case.split(":")) for case in args.cases.split(",")]
-    grid = list(itertools.product((64, 128, 256, 512), (32, 64), (4,), (2, 3), (True, False)))
+    grid = list(itertools.product((64, 128, 256, 512), (32, 64), (1, 2, 4), (2, 3), (True, False)))
     if args.defaults_only:
         grid = [(None, None, 4, None, True)]
     results = []

@@ -56,6 +56,11 @@ GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(16, 256, 4)),
               True: (Tiles(32, 512, 4), Tiles(16, 1024, 4))}  # fmt: skip
 SORTED = Tiles(64, 64, 4)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no assembly
+# Warps of the routing kernel: one program a token, whose k passes each reduce over the experts
+# twice. On one warp the reductions are register shuffles; on Triton's default of 4 they also
+# cross warps through shared memory (sm_90 PTX at 128 experts and top 8: 53 barriers against 0).
+# Chosen from that count, not timed yet: moe_gemv_sweep.py times 2 and 4 against it.
+ROUTE_WARPS = 1
 
 
 def uses_gemv(num_pairs: int, num_experts: int, top_k: int) -> bool:
@@ -114,7 +119,7 @@ def route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
             logits.contiguous(), weights, ids, E=num_experts, TOP_K=top_k,
             BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
             SOFTMAX_FIRST=softmax_first, RENORMALIZE=softmax_first and renormalize,
-            **pdl.pdl_launch(logits),
+            num_warps=ROUTE_WARPS, **pdl.pdl_launch(logits),
         )  # fmt: skip
     return weights, ids
 
