@@ -102,11 +102,13 @@ def test_the_split_merge_takes_many_splits_in_chunks(sinks):
     assert rel_err(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 50])  # a window leaves some programs nothing
 @pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
-def test_a_capped_grid_takes_several_splits_a_program(monkeypatch, fused):
+def test_a_capped_grid_takes_several_splits_a_program(monkeypatch, fused, window):
     """Eight programs per (sequence, KV head) over 38 and 1 eight-token splits: each program
-    takes every eighth split (a grid of every split of max_model_len cost more to launch than
-    the attention at short contexts); both merges see every split once."""
+    carries one online softmax over every eighth split and writes one partial (a grid of every
+    split of max_model_len cost more to launch than the attention at short contexts); both
+    merges take the eight partials, or the one."""
     assert paged_decode.split_programs(4, 2048) == 1024  # batch 1, 4 KV heads, 131k tokens
     assert paged_decode.split_programs(512, 512) == 8  # batch 64, 8 KV heads
     assert paged_decode.split_programs(4, 32) == 32  # max_model_len 2,048: one split each
@@ -116,9 +118,9 @@ def test_a_capped_grid_takes_several_splits_a_program(monkeypatch, fused):
     meta = AttentionMetadata(page_size, torch.empty(0, dtype=torch.long), [], torch.arange(2),
                              tables, lens, 300)  # fmt: skip
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(5))
-    expected = TorchPagedAttention().decode(q, kv, meta, 0.25, None, sinks=sinks)
+    expected = TorchPagedAttention().decode(q, kv, meta, 0.25, window, sinks=sinks)
     out = paged_decode.paged_decode_attention(
-        q, kv[0], kv[1], tables, lens, 0.25, 300, None,
+        q, kv[0], kv[1], tables, lens, 0.25, 300, window,
         {"fused_reduce": fused, "partition": 8}, sinks=sinks,
     )  # fmt: skip
     assert rel_err(out, expected) < 1e-5
@@ -138,7 +140,7 @@ def test_the_merge_kernel_weighs_every_chunk_of_splits_by_its_log_sum_exp(sinks)
     sink = torch.randn(heads, generator=gen)
     out = torch.empty(1, heads, dim)
     paged_decode._paged_decode_reduce[(1, heads)](
-        part_out, part_lse, lens, out, sink if sinks else part_lse,
+        part_out, part_lse, lens, out, sink if sinks else part_lse, splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=dim, DIM_PAD=dim, CHUNK=32, PART=part, PDL=False, HAS_SINKS=sinks,

@@ -33,10 +33,11 @@ def fused_merge(batch: int) -> bool:
 
 
 def split_programs(pairs: int, max_splits: int) -> int:
-    """Programs per (sequence, KV head) in the partial kernel's grid: one per split up to about
-    4,096 programs in all, then each takes every n-th split. A program per possible split of
-    max_model_len (2,048 per KV head at 131k tokens of 64) cost more to launch than the
-    attention itself at short contexts."""
+    """Programs per (sequence, KV head) in the partial kernel's grid, and so partials to merge:
+    one per split up to about 4,096 programs in all, then each takes every n-th split. A
+    program per possible split of max_model_len (2,048 per KV head at 131k tokens of 64) cost
+    more to launch than the attention itself at short contexts, and its partials' buffer
+    grew with max_model_len (537 MB at batch 64 and 131k tokens of 64-dim heads)."""
     return max(1, min(max_splits, max(8, SPLIT_GRID // pairs)))
 
 
@@ -84,15 +85,18 @@ def _paged_decode_partial(
     if FP8:  # keys and values stored divided by a per-head scale: k's joins the score scale
         scale = scale * tl.load(kv_scales_ptr + kv_head)
     # The grid's third axis is capped (paged_decode_attention): this program takes splits
-    # program_id(2), + num_programs(2), ... of the context (a while loop: the interpreter's
-    # range takes no tensors)
-    split = tl.program_id(2)
+    # program_id(2), + num_programs(2), ... of the context, carrying one online softmax
+    # through them, and writes one partial (a while loop: the interpreter's range takes no
+    # tensors)
+    part = tl.program_id(2)
+    num_parts = tl.minimum(tl.num_programs(2), num_splits)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    split = part
     while split < num_splits:
         start = split * PART
         end = tl.minimum(start + PART, ctx_len)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         for block in range(0, PART, BLOCK_N):  # fixed trip count; masks cut the tail
             tokens = start + block + tl.arange(0, BLOCK_N)
             tok_ok = tokens < end
@@ -121,74 +125,73 @@ def _paged_decode_partial(
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        if PDL:
-            gdc_launch_dependents()
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        if FP8:  # v's scale, once per split (the merge is linear in the splits' outputs)
-            out = out * tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
-        out_ptrs = (part_out_ptr + b * stride_ob + heads[:, None] * stride_oh
-                    + split * stride_os)  # fmt: skip
-        tl.store(out_ptrs + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
-        tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
-        if FUSED_REDUCE:
-            # The last split of (sequence, KV head) to finish merges all of them: one launch
-            # instead of a second kernel. The barrier orders every thread's stores before the
-            # counter's release; the counter goes back to zero for the next launch.
-            tl.debug_barrier()
-            counter = counters_ptr + b * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                tl.debug_barrier()
-                tl.store(counter, 0)
-                m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-                l_run = tl.zeros([GROUP_PAD], tl.float32)
-                if HAS_SINKS:  # the sink starts the merge: its logit, weight exp(0), no value
-                    m_run = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
-                    l_run = tl.full([GROUP_PAD], 1.0, tl.float32)
-                merged = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-                s = 0
-                while s < num_splits:  # (a while loop: Triton's interpreter runs it too)
-                    lse_s = tl.load(part_lse_ptr + b * stride_lb + heads * stride_lh + s,
-                                    mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    part = tl.load(
-                        part_out_ptr + b * stride_ob + heads[:, None] * stride_oh
-                        + s * stride_os + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
-                        other=0.0, cache_modifier=".cg",
-                    )
-                    m_new = tl.maximum(m_run, lse_s)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp(m_run - m_safe)
-                    weight = tl.exp(lse_s - m_safe)
-                    merged = merged * alpha[:, None] + part * weight[:, None]
-                    l_run = l_run * alpha + weight
-                    m_run = m_new
-                    s += 1
-                l_run = tl.where(l_run == 0.0, 1.0, l_run)
-                final = out_ptr + b * stride_fb + heads[:, None] * stride_fh + dims[None, :]
-                tl.store(final, merged / l_run[:, None],
-                         mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
         split += tl.num_programs(2)
+    if PDL:
+        gdc_launch_dependents()
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if FP8:  # v's scale, once per partial (the merge is linear in the partials' outputs)
+        out = out * tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+    out_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + part * stride_os
+    tl.store(out_ptrs + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + part, lse, mask=row_ok)
+    if FUSED_REDUCE:
+        # The last program of (sequence, KV head) to finish merges the partials: one launch
+        # instead of a second kernel. The barrier orders every thread's stores before the
+        # counter's release; the counter goes back to zero for the next launch.
+        tl.debug_barrier()
+        counter = counters_ptr + b * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_parts - 1:
+            tl.debug_barrier()
+            tl.store(counter, 0)
+            m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_run = tl.zeros([GROUP_PAD], tl.float32)
+            if HAS_SINKS:  # the sink starts the merge: its logit, weight exp(0), no value
+                m_run = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+                l_run = tl.full([GROUP_PAD], 1.0, tl.float32)
+            merged = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+            s = 0
+            while s < num_parts:  # (a while loop: Triton's interpreter runs it too)
+                lse_s = tl.load(part_lse_ptr + b * stride_lb + heads * stride_lh + s,
+                                mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                partial = tl.load(
+                    part_out_ptr + b * stride_ob + heads[:, None] * stride_oh
+                    + s * stride_os + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                    other=0.0, cache_modifier=".cg",
+                )
+                m_new = tl.maximum(m_run, lse_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_run - m_safe)
+                weight = tl.exp(lse_s - m_safe)
+                merged = merged * alpha[:, None] + partial * weight[:, None]
+                l_run = l_run * alpha + weight
+                m_run = m_new
+                s += 1
+            l_run = tl.where(l_run == 0.0, 1.0, l_run)
+            final = out_ptr + b * stride_fb + heads[:, None] * stride_fh + dims[None, :]
+            tl.store(final, merged / l_run[:, None],
+                     mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_ob", "stride_lb"])
+@triton.jit(do_not_specialize=["max_parts", "stride_ob", "stride_lb"])
 def _paged_decode_reduce(
-    part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, sinks_ptr,
+    part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, sinks_ptr, max_parts,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
     PART: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Merges one (sequence, head)'s splits, CHUNK at a time with a running max, over the
-    splits its context fills: the work follows the context, not max_model_len (a tile of
-    every possible split spilled registers at a model's full context: 4-8 KB a thread at
-    40k-128k tokens)."""
+    """Merges one (sequence, head)'s partials (one per partial-kernel program its context
+    reaches, at most `max_parts`), CHUNK at a time with a running max: the work follows the
+    context, not max_model_len (a tile of every possible split spilled registers at a model's
+    full context: 4-8 KB a thread at 40k-128k tokens)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     ctx_len = tl.load(lens_ptr + b)
-    num_splits = tl.cdiv(ctx_len, PART)
+    num_splits = tl.minimum(tl.cdiv(ctx_len, PART), max_parts)
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     m_run = tl.full([], float("-inf"), tl.float32)
@@ -247,11 +250,12 @@ def paged_decode_attention(
     kv_scales: torch.Tensor | None = None,  # [2, Hkv] float32: an fp8 cache's per-head scales
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns [B, H, d].
-    The context is split for parallelism; the splits merge in a second kernel, or, for larger
-    batches, in the same launch (the last split of each (sequence, KV head) to finish merges
-    them); a sink joins the merge. An fp8 cache (`kv_scales`) is loaded as stored and scaled
-    in the kernel. `tuning` overrides the launch (partition, block_n, num_warps, num_stages,
-    fused_reduce): benchmarks only."""
+    The context is split for parallelism, a program per split up to a cap (`split_programs`),
+    past which each program carries its online softmax over every n-th split; the programs'
+    partials merge in a second kernel, or, for larger batches, in the same launch (the last
+    program of each (sequence, KV head) to finish merges them); a sink joins the merge. An
+    fp8 cache (`kv_scales`) is loaded as stored and scaled in the kernel. `tuning` overrides
+    the launch (partition, block_n, num_warps, num_stages, fused_reduce): benchmarks only."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert ctx_lens.stride(0) == 1 and q.stride(2) == 1 and k_cache.stride(3) == 1
@@ -261,15 +265,16 @@ def paged_decode_attention(
     max_splits = max(1, triton.cdiv(max_ctx, partition))
     fused = tuning.get("fused_reduce", fused_merge(batch))
     fused = fused and batch * num_kv_heads <= MAX_COUNTERS
-    part_out = torch.empty(batch, num_heads, max_splits, head_dim, device=q.device,
-                           dtype=torch.float32)
-    part_lse = torch.empty(batch, num_heads, max_splits, device=q.device, dtype=torch.float32)
+    parts = split_programs(batch * num_kv_heads, max_splits)  # partials per (sequence, head)
+    part_out = torch.empty(batch, num_heads, parts, head_dim, device=q.device,
+                           dtype=torch.float32)  # fmt: skip
+    part_lse = torch.empty(batch, num_heads, parts, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     counters = _split_counters(q.device) if fused else part_lse  # unread when not fused
     dim_pad = triton.next_power_of_2(head_dim)
     sinks_arg = sinks if sinks is not None else part_lse  # unread without sinks
     scales_arg = kv_scales if kv_scales is not None else part_lse  # unread without fp8
-    _paged_decode_partial[(batch, num_kv_heads, split_programs(batch * num_kv_heads, max_splits))](
+    _paged_decode_partial[(batch, num_kv_heads, parts)](
         q, k_cache, v_cache, block_tables, ctx_lens, part_out, part_lse, counters, out,
         sinks_arg, scales_arg, scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1),
@@ -290,10 +295,10 @@ def paged_decode_attention(
     if fused:
         return out
     _paged_decode_reduce[(batch, num_heads)](
-        part_out, part_lse, ctx_lens, out, sinks_arg,
+        part_out, part_lse, ctx_lens, out, sinks_arg, parts,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, CHUNK=min(32, triton.next_power_of_2(max_splits)),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, CHUNK=min(32, triton.next_power_of_2(parts)),
         PART=partition, HAS_SINKS=sinks is not None, num_warps=4, **pdl.pdl_launch(q),
     )
     return out
