@@ -13,10 +13,12 @@ so a CUDA graph captures them:
   the decode layout.
 
 MXFP4 (gpt-oss's layout, weights/mxfp4.py): blocks [E, N, K / 32, 16] uint8 hold two E2M1 codes
-per byte (the low nibble first), scales [E, N, K / 32] uint8 biased exponents. A byte tile
-decodes to its even (low) and odd (high) columns, which meet the even and odd columns of x.
-Every sum is float32; values are rounded to the model dtype where the PyTorch path rounds them
-(after each projection, after the activation).
+per byte (the low nibble first), scales [E, N, K / 32] uint8 biased exponents. The decode
+GEMV reads the same memory as int32 words of eight codes and decodes a word in inline PTX, two
+codes per 32-bit operation; the sorted layout's tiles decode each byte to its even (low) and odd
+(high) columns, which meet the even and odd columns of x. Every sum is float32; values are
+rounded to the model dtype where the PyTorch path rounds them (after each projection, after
+the activation).
 
 The decode layout's kernels and the routing take programmatic dependent launch (kernels/pdl.py):
 each launches while the one before it finishes and waits for it before its first read.
