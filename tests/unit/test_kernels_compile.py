@@ -87,6 +87,15 @@ def launches() -> dict[str, tuple]:
     x, norm = torch.zeros(1, hidden, **bf16), torch.ones(hidden, **bf16)
     qkv_rows, inter = (heads + 2 * kv_heads) * head_dim, 14336
 
+    def rope_launch(tokens, cache, **options):  # q, k and v of `tokens` rows into `cache`
+        return lambda: rope.rope_write_kv(
+            torch.zeros(tokens, heads, head_dim, **bf16),
+            torch.zeros(tokens, kv_heads, head_dim, **bf16),
+            torch.zeros(tokens, kv_heads, head_dim, **bf16),
+            torch.ones(tokens, head_dim), torch.zeros(tokens, head_dim),
+            torch.zeros(tokens, dtype=torch.int64), cache[0], cache[1], **options,
+        )  # fmt: skip
+
     def packed(n, k, bits, group=128):  # a PackedLinear's tensors: AWQ int4 g128, int8 per row
         groups = 1 if group == -1 else k // group
         return SimpleNamespace(
@@ -132,38 +141,11 @@ def launches() -> dict[str, tuple]:
             torch.zeros(4, hidden, **bf16), torch.zeros(4, hidden, **bf16), norm, 1e-5
         ),
         "SiLU-mul": lambda: pointwise.silu_mul(torch.zeros(4, 2 * 14336, **bf16)),
-        "RoPE + KV write": lambda: rope.rope_write_kv(
-            torch.zeros(4, heads, head_dim, **bf16),
-            torch.zeros(4, kv_heads, head_dim, **bf16),
-            torch.zeros(4, kv_heads, head_dim, **bf16),
-            torch.ones(4, head_dim),
-            torch.zeros(4, head_dim),
-            torch.zeros(4, dtype=torch.int64),
-            kv[0],
-            kv[1],
+        "RoPE + KV write": rope_launch(4, kv),
+        "RoPE + q/k norms + KV write (Qwen3)": rope_launch(
+            1, kv, qk_norm=(norm[:head_dim], norm[:head_dim], 1e-6)
         ),
-        "RoPE + q/k norms + KV write (Qwen3)": lambda: rope.rope_write_kv(
-            torch.zeros(1, heads, head_dim, **bf16),
-            torch.zeros(1, kv_heads, head_dim, **bf16),
-            torch.zeros(1, kv_heads, head_dim, **bf16),
-            torch.ones(1, head_dim),
-            torch.zeros(1, head_dim),
-            torch.zeros(1, dtype=torch.int64),
-            kv[0],
-            kv[1],
-            qk_norm=(norm[:head_dim], norm[:head_dim], 1e-6),
-        ),
-        "RoPE + KV write, fp8 cache": lambda: rope.rope_write_kv(
-            torch.zeros(4, heads, head_dim, **bf16),
-            torch.zeros(4, kv_heads, head_dim, **bf16),
-            torch.zeros(4, kv_heads, head_dim, **bf16),
-            torch.ones(4, head_dim),
-            torch.zeros(4, head_dim),
-            torch.zeros(4, dtype=torch.int64),
-            fp8_kv[0],
-            fp8_kv[1],
-            kv_scales,
-        ),
+        "RoPE + KV write, fp8 cache": rope_launch(4, fp8_kv, kv_scales=kv_scales),
         "exponential race": lambda: race_kernel.exponential_race(
             torch.zeros(2, 128256),
             torch.ones(2),

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from noesis.kernels import pdl
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
+from noesis.kernels.row_gemv import _or
 from noesis.weights.mxfp4 import Mxfp4Weight
 
 Weight = torch.Tensor | Mxfp4Weight
@@ -219,10 +220,6 @@ def _operands(weight: Weight, words: bool = False) -> tuple[torch.Tensor, torch.
         blocks = weight.blocks.view(torch.int32) if words else weight.blocks
         return blocks, weight.scales
     return weight, weight
-
-
-def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
-    return placeholder if tensor is None else tensor
 
 
 def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
