@@ -183,7 +183,6 @@ def reference_error(layers: Layers, name: str, config) -> float:
     want = getattr(layers, f"{name}_unfused")(w).float()
     if name in ("o", "down"):
         want = (want.to(DTYPE) + layers.residual).float()
-
     got = getattr(layers, f"{name}_fused")(w, config).float()
     return float((got - want).norm() / want.norm())
 

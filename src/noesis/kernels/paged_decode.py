@@ -191,7 +191,7 @@ def _paged_decode_reduce(
         gdc_wait()
         gdc_launch_dependents()
     ctx_len = tl.load(lens_ptr + b)
-    num_splits = tl.minimum(tl.cdiv(ctx_len, PART), max_parts)
+    num_parts = tl.minimum(tl.cdiv(ctx_len, PART), max_parts)
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     m_run = tl.full([], float("-inf"), tl.float32)
@@ -201,19 +201,19 @@ def _paged_decode_reduce(
         total = tl.full([], 1.0, tl.float32)
     merged = tl.zeros([DIM_PAD], tl.float32)
     first = 0
-    while first < num_splits:  # (a while loop: Triton's interpreter runs it too)
-        splits = first + tl.arange(0, CHUNK)
-        split_ok = splits < num_splits
-        lse = tl.load(part_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_ok,
+    while first < num_parts:  # (a while loop: Triton's interpreter runs it too)
+        parts_at = first + tl.arange(0, CHUNK)
+        part_ok = parts_at < num_parts
+        lse = tl.load(part_lse_ptr + b * stride_lb + head * stride_lh + parts_at, mask=part_ok,
                       other=float("-inf"))
         parts = tl.load(
-            part_out_ptr + b * stride_ob + head * stride_oh + splits[:, None] * stride_os
-            + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0,
+            part_out_ptr + b * stride_ob + head * stride_oh + parts_at[:, None] * stride_os
+            + dims[None, :], mask=part_ok[:, None] & dim_ok[None, :], other=0.0,
         )
         m_new = tl.maximum(m_run, tl.max(lse, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_run - m_safe)
-        weights = tl.where(split_ok, tl.exp(lse - m_safe), 0.0)
+        weights = tl.where(part_ok, tl.exp(lse - m_safe), 0.0)
         merged = merged * alpha + tl.sum(parts * weights[:, None], axis=0)
         total = total * alpha + tl.sum(weights, axis=0)
         m_run = m_new
