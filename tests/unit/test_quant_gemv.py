@@ -18,8 +18,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 from noesis.quant import kernel  # noqa: E402
 from noesis.quant.kernel import GemvConfig  # noqa: E402
+from noesis.quant.packing import pack  # noqa: E402
 
 # The one-row kernel sums 2^BITS * (1 + code / 2^BITS) * x and subtracts (2^BITS + zero) * sum x
 # per word: float32 rounding of those larger terms, about 1e-6 (bfloat16's is 4e-3).
@@ -149,3 +152,75 @@ def test_rows_past_the_batch_take_the_prefill_kernel(monkeypatch):
     monkeypatch.setattr(kernel, "_packed_gemv_dot", None)  # a decode launch would fail
     got = kernel.packed_matmul(x, layer.qweight, layer.scales, layer.qzeros, None, 4, 128)
     assert relative_error(got, F.linear(x.double(), weight)) < FLOAT32_ERROR
+
+
+# bfloat16 input, 4-bit codes: the one-row kernel sums (code - zero) * x per word from x's
+# bfloat16 pairs (_pair_dots; under the interpreter each product and sum exact, the output
+# rounded to bfloat16 by truncation, 2e-3 to 3e-3). A pair taken from the wrong columns, or a
+# zero point left out, is off by tens of percent.
+@pytest.mark.parametrize(("config", "n", "k", "group_size", "zero"), [
+    ("fma", 40, 384, 128, None),  # tensor zero points, N past the last program's rows
+    ("fma", 24, 256, 32, 8),  # a constant zero point (GPTQ symmetric, GGUF Q4_0), 4 groups a tile
+    ("fma tile past groups", 40, 384, 128, None),  # K tiles of 256 past K = 384
+    ("fma split", 24, 256, 32, None),
+])
+def test_bfloat16_pairs_within_its_rounding(poisoned_call, config, n, k, group_size, zero):
+    layer, weight = packed_layer(n, k, 4, group_size, dtype=torch.bfloat16, seed=n + k)
+    x = torch.randn(1, k).bfloat16()
+    if zero is None:
+        zeros = layer.qzeros
+    else:
+        zeros, weight = zero, _with_zero(layer, weight, group_size, zero)
+    args = (layer.qweight, layer.scales, zeros, None, 4, group_size)
+    got = poisoned_call(x, args, CONFIGS[config])
+    assert got.dtype == torch.bfloat16
+    assert relative_error(got, F.linear(x.double(), weight)) < 6e-3
+
+
+def _with_zero(layer, weight, group_size, zero):
+    """The reference weight with every group's zero point replaced by `zero`."""
+    zeros = layer.qzeros.double().repeat_interleave(group_size, 1)
+    scales = layer.scales.double().repeat_interleave(group_size, 1)
+    return weight + (zeros - zero) * scales
+
+
+@triton.jit
+def _pairs_kernel(words_ptr, x_ptr, scale_ptr, zero_ptr, out_ptr, FROM_FLOATS: tl.constexpr,
+                  ROWS: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    """_pair_dots over [ROWS, R, W] words with x's pairs made by _pairs_of_floats (from the
+    float32 tile) or _pairs_of_words (from the bfloat16 input in memory)."""
+    words_in = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
+    rows = tl.arange(0, ROWS)
+    at = rows[:, None, None] * (R * W) + words_in[None, :, :]
+    words = tl.load(words_ptr + at).to(tl.uint32, bitcast=True)
+    run = rows[:, None] * R + tl.arange(0, R)[None, :]
+    scale, zero = tl.load(scale_ptr + run), tl.load(zero_ptr + run)
+    if FROM_FLOATS:
+        codes_in = words_in[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        x = tl.load(x_ptr + codes_in).to(tl.float32)
+        p0, p1, p2, p3 = kernel._pairs_of_floats(x, False)
+    else:
+        p0, p1, p2, p3 = kernel._pairs_of_words(x_ptr, 0, words_in, R * W * 8, False)
+    tl.store(out_ptr + at, kernel._pair_dots(words, scale, zero, p0, p1, p2, p3, False))
+
+
+@pytest.mark.parametrize("from_floats", [True, False])
+def test_pair_dots_sum_each_word_against_its_columns(from_floats):
+    """The helpers the bfloat16 4-bit path shares: per word, sum over its eight codes of
+    (code - zero) * scale * x, x's pairs made either way (exact in float32 here; on a GPU the
+    same arithmetic runs in bfloat16x2 inline PTX, tests/gpu/test_quant_cuda.py)."""
+    rows, runs, width = 4, 2, 4
+    gen = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 16, (rows, runs, width, 8), generator=gen)
+    words = pack(codes.reshape(rows, -1), 4).reshape(rows, runs, width)
+    x = torch.randn(runs * width * 8, generator=gen).bfloat16()
+    scale = torch.rand(rows, runs, generator=gen) + 0.5
+    zero = torch.randint(0, 16, (rows, runs), generator=gen).float()
+    out = torch.full((rows, runs, width), float("nan"))
+    source = x.float() if from_floats else x
+    _pairs_kernel[(1,)](words, source, scale, zero, out, FROM_FLOATS=from_floats, ROWS=rows,
+                        R=runs, W=width)
+    xs = x.double().reshape(runs, width, 8)
+    expected = ((codes.double() - zero.double()[:, :, None, None]) * xs[None]).sum(-1)
+    expected *= scale.double()[:, :, None]
+    assert torch.allclose(out.double(), expected, rtol=1e-6, atol=1e-6)

@@ -84,6 +84,26 @@ def test_packed_norm_glu_matches_norm_projection_silu_mul(layout):
     assert rel_err(got, ops.silu_mul(layer(normed))) < FLOAT32_ERROR
 
 
+@pytest.mark.parametrize("layout", ["int4-g32", "int4-g32-symmetric"])
+def test_bfloat16_input_within_its_rounding(layout):
+    """bfloat16 activations and 4-bit codes in the plain GEMV: x's bfloat16 pairs read from
+    memory, against the float32 unfused step on the same bfloat16 values: the output rounded to
+    bfloat16 once (the interpreter truncates, 2e-3 to 3e-3); a pair from the wrong columns or a
+    zero point left out is off by tens of percent. The interpreter computes bfloat16 sums and
+    the normed modes' bfloat16 steps wrongly (the int8 path's too): no residual here, and the
+    pairs made from normed floats are checked in test_quant_gemv.py's helper test."""
+    weights, layer = packed(40, 96, layout, seed=6)
+    x = row_and_norm(96, seed=7)[0].bfloat16()
+    with torch.no_grad():  # bfloat16 scales (and zero points), the same values in the layer
+        weights.scales.copy_(weights.scales.bfloat16().float())
+    zeros = weights.qzeros if isinstance(weights.qzeros, int) else weights.qzeros.bfloat16()
+    half = SimpleNamespace(qweight=weights.qweight, scales=weights.scales.bfloat16(),
+                           qzeros=zeros, bits=4, group_size=weights.group_size)
+    got = packed_row.gemv(x, half, config=SMALL_TILES)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, layer(x.float())) < 6e-3
+
+
 def unfused_qkv(x, norm_weight, layer, heads, kv_heads, cos, sin):
     """q, k (rotated) and v [heads, d] of the unfused steps."""
     normed, _ = ops.add_rms_norm(x, None, norm_weight, EPS)

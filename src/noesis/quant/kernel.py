@@ -2,8 +2,9 @@
 noesis.quant.packing (rows of int32 words along K), three Triton kernels.
 
 - one row (decode at batch 1), `_packed_gemv`: a program streams BLOCK_N whole packed rows
-  (16-byte loads per thread along K, coalesced), unpacks them inside each thread and multiplies
-  on the CUDA cores, with about three instructions per code (see its docstring); a float32
+  (16-byte loads per thread along K, coalesced) and sums them word by word inside each thread
+  on the CUDA cores: 4-bit codes against a bfloat16 input in bfloat16x2 inline PTX (about 3.3
+  sm_90 SASS instructions a code in the loop, 5 before), otherwise in float32; a float32
   accumulator tile is summed once at the end, as the bf16 row GEMV does.
 - up to BATCH_ROWS rows (decode batches), act-order, or groups no tile fits, `_packed_gemv_dot`:
   the same row tiles dequantized in registers as tl.dot's left operand, x^T the right one,
@@ -17,13 +18,15 @@ N / BLOCK_N programs, several per SM, so most
 shapes need no split over K; where one is configured, the float32 partials are summed in a fixed
 order (deterministic, no atomics). No host sync and only stream-ordered allocations: the
 launches capture into CUDA graphs. Checked against the portable path and a float64 reference
-under TRITON_INTERPRET=1 (tests/unit/test_quant_linear.py, test_quant_gemv.py).
+under TRITON_INTERPRET=1 (tests/unit/test_quant_linear.py, test_quant_gemv.py; the inline
+PTX runs only on a GPU: tests/gpu/test_quant_cuda.py).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +40,7 @@ BATCH_BUCKET = 64  # rows DECODE_ROWS+1..BATCH_ROWS share the config tuned at th
 MAX_BLOCK_M = 64  # rows of x per decode program; 128 rows run as two programs along M
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs: the default split aims at this
 CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no assembly
 
 
 @dataclass(frozen=True)
@@ -110,26 +114,17 @@ def _packed_gemv(
     K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
     SUB: tl.constexpr, K_SPLIT: tl.constexpr, EVEN: tl.constexpr, ZERO: tl.constexpr,
     HAS_MIN: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """One row: y[split] [N] = W[:, split's K range] @ x, on the CUDA cores. A K tile is RUNS
     runs of SUB columns, each run inside one group, its words held as [BLOCK_N, RUNS, words per
     run] (16-byte loads along K; EVEN: no tile reaches past K, so no mask splits them) and
-    unpacked inside each thread along a fourth axis.
-
-    Per code: a shift and a mask-or make the float q = 1 + code / 2^BITS (exact), one FMA adds
-    q * x to its word's sum, one add sums x over the word (no integer-to-float conversion, no
-    zero point subtracted per code). Per word, with S = 2^BITS:
-    sum (code - zero) x = S sum q x - (S + zero) sum x; scale, and GGUF's minimums times
-    sum x, apply per word.
-    So the weight is (code - zero) * scale as float32 holds it, not rounded to the model dtype
-    as the portable path rounds it (a difference well under bfloat16's own error).
-
-    `field` is the code's bit field once moved (field_mask(BITS)), passed at run time: as a
-    compile-time constant ptxas splits the mask-or into two LOP3s (one immediate each), as a
-    register it is one. The kernel is bound by its instruction rate, not by memory (about 9.4
-    SASS instructions per 4-bit code before, 6 with this and one warp per 8-16 rows: issue
-    rate over codes per second tracks the measured share of bandwidth)."""
+    summed word by word: scale, zero point and GGUF's minimum apply per word, not per code.
+    The kernel is bound by its instruction rate more than by memory: with a bfloat16 input,
+    4-bit codes and no minimums (PAIRS), in bfloat16x2 arithmetic (_pair_dots, inline PTX
+    where ASM), otherwise in float32 (_word_dots)."""
     PACK: tl.constexpr = 32 // BITS
+    PAIRS: tl.constexpr = BITS == 4 and x_ptr.dtype.element_ty == tl.bfloat16 and not HAS_MIN
     RUNS: tl.constexpr = BLOCK_K // SUB
     WORDS_PER_RUN: tl.constexpr = SUB // PACK
     pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -145,26 +140,160 @@ def _packed_gemv(
         if EVEN:
             words = tl.load(w_rows + (k0 // PACK + words_in)[None, :, :],
                             mask=col_ok[:, None, None], other=0)  # [BN, R, W]
-            x = tl.load(x_ptr + ks).to(tl.float32)  # [R, W, P]
         else:
             words = tl.load(w_rows + (k0 // PACK + words_in)[None, :, :],
                             mask=col_ok[:, None, None] & (k0 + words_in * PACK < K)[None, :, :],
                             other=0)
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        words = words.to(tl.uint32, bitcast=True)
         starts = k0 + tl.arange(0, RUNS) * SUB
         at = cols[:, None] * GROUPS + (starts // GROUP)[None, :]  # [BN, R]
         ok = col_ok[:, None] & (starts < K)[None, :]
         scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        q = _unpack_in_thread(words.to(tl.uint32, bitcast=True), BITS, BLOCK_N, RUNS,
-                              WORDS_PER_RUN, field.to(tl.uint32, bitcast=True))  # [BN, R, W, P]
-        sums = tl.sum(q * x[None, :, :, :], 3)  # [BN, R, W]
-        word_x = tl.sum(x, 2)[None, :, :]  # [1, R, W]: each thread sums its own words' x
-        offset = scale * _zero_point(z_ptr, at, ok, ZERO, (1 << BITS))
-        if HAS_MIN:
-            offset -= tl.load(m_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        acc += sums * (scale * (1 << BITS))[:, :, None] - offset[:, :, None] * word_x
+        zero = _zero_point(z_ptr, at, ok, ZERO, 0)
+        if PAIRS:
+            p0, p1, p2, p3 = _pairs_of_words(x_ptr, k0, words_in, K, ASM)
+            acc += _pair_dots(words, scale, zero, p0, p1, p2, p3, ASM)
+        else:
+            if EVEN:
+                x = tl.load(x_ptr + ks).to(tl.float32)  # [R, W, P]
+            else:
+                x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            bias = -scale * zero
+            if HAS_MIN:
+                bias += tl.load(m_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            acc += _word_dots(words, scale, bias, x, field.to(tl.uint32, bitcast=True), BITS,
+                              BLOCK_N, RUNS, WORDS_PER_RUN)
     y = tl.sum(tl.sum(acc, 2), 1)
     tl.store(y_ptr + split * stride_ys + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _word_dots(words, scale, bias, x, field, BITS: tl.constexpr, D0: tl.constexpr,
+               D1: tl.constexpr, D2: tl.constexpr):
+    """Per word of `words` [D0, D1, D2] (uint32, code i at bits BITS * i): the sum over its
+    codes of (code * scale + bias) * x in float32, from scale and bias per run [D0, D1] (a zero
+    point is bias = -zero * scale) and x [D1, D2, 32 // BITS] (float32). Each code is moved
+    under a float's mantissa, q = 1 + code / 2^BITS exactly (a shift and a mask-or, no
+    integer-to-float conversion; `field`: field_mask(BITS) passed at run time, which ptxas
+    keeps as one LOP3), and sum (code s + b) x = 2^BITS s sum q x + (b - 2^BITS s) sum x."""
+    SCALE: tl.constexpr = 1 << BITS
+    q = _unpack_in_thread(words, BITS, D0, D1, D2, field)  # [D0, D1, D2, P]
+    word_x = tl.sum(x, 2)[None, :, :]  # each thread sums its own words' x
+    return (tl.sum(q * x[None, :, :, :], 3) * (scale * SCALE)[:, :, None]
+            + (bias - scale * SCALE)[:, :, None] * word_x)
+
+
+# 4-bit codes against a bfloat16 input in bfloat16x2 arithmetic, where _pair_dots runs it:
+# x's values in pairs (x_j, x_j+4), j = 0..3, one int32 register each (x_j in the low half),
+# shared by the rows a thread holds. From the input's memory (two bfloat16 per int32, $4-$7 the
+# words of x_0..x_7) four byte permutes make them:
+_PAIRS_OF_WORDS_ASM = tl.constexpr("""{
+prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632;
+prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;
+}""")
+# from float32 values (bfloat16 values, so exact), one conversion a pair:
+_PAIR_OF_FLOATS_ASM = tl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")
+# Then per word ($1; $2 = -(128 + zero) in both halves, $3-$6 the pairs): one LOP3 makes two
+# codes' 128 + code (0x4300 is bfloat16's 128, whose last 7 mantissa bits the code fills), one
+# FMA subtracts 128 + zero (exact: small integers), two FMAs multiply with the pairs and add
+# (each rounded to bfloat16, 2^-9), and the two halves are added in float32. About 19
+# instructions a word, 2.4 a code, against about 5 for the float32 path (sm_90 SASS).
+_INT4_WORD_ASM = tl.constexpr("""{
+.reg .b32 t, m, e, one, nz, v0, v1, v2, v3, lo, hi;
+mov.b32 m, 0x000F000F; mov.b32 e, 0x43004300; mov.b32 one, 0x3F803F80; mov.b32 nz, 0x80008000;
+lop3.b32 v0, $1, m, e, 0xEA;
+shr.b32 t, $1, 4; lop3.b32 v1, t, m, e, 0xEA;
+shr.b32 t, $1, 8; lop3.b32 v2, t, m, e, 0xEA;
+shr.b32 t, $1, 12; lop3.b32 v3, t, m, e, 0xEA;
+fma.rn.bf16x2 v0, v0, one, $2; fma.rn.bf16x2 v1, v1, one, $2;
+fma.rn.bf16x2 v2, v2, one, $2; fma.rn.bf16x2 v3, v3, one, $2;
+fma.rn.bf16x2 v0, v0, $3, nz; fma.rn.bf16x2 v0, v1, $4, v0;
+fma.rn.bf16x2 v2, v2, $5, nz; fma.rn.bf16x2 v2, v3, $6, v2;
+fma.rn.bf16x2 v0, v0, one, v2;
+shl.b32 lo, v0, 16; and.b32 hi, v0, 0xFFFF0000;
+add.f32 $0, lo, hi;
+}""")
+
+
+def word_asm(device: torch.device) -> bool:
+    """Whether _pair_dots runs its inline PTX on `device`: a CUDA GPU with bfloat16x2
+    arithmetic (compute capability 8.0 on), not Triton's interpreter."""
+    return (device.type == "cuda" and not INTERPRET
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+@triton.jit
+def _pair_dots(words, scale, zero, p0, p1, p2, p3, ASM: tl.constexpr):
+    """Per word of `words` [D0, D1, D2] (uint32, eight 4-bit codes, code i at bits 4 i): the
+    sum over its codes of (code - zero) * scale * x, float32, from scale and zero per run
+    [D0, D1] (float32; integer zero points) and x's bfloat16 pairs [D1, D2] (_pairs_of_words,
+    _pairs_of_floats). `_INT4_WORD_ASM` where ASM; otherwise (Triton's interpreter, GPUs before
+    compute capability 8.0) the same function in float32, every product and sum exact but the
+    last."""
+    if ASM:
+        zb = (zero + 128.0).to(tl.uint32, bitcast=True) >> 16  # bfloat16 bits, exact
+        neg = (zb | (zb << 16) | 0x80008000)[:, :, None]
+        sums = tl.inline_asm_elementwise(
+            _INT4_WORD_ASM, "=r,r,r,r,r,r,r", [words, neg, p0[None, :, :], p1[None, :, :],
+                                               p2[None, :, :], p3[None, :, :]],
+            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        z = zero[:, :, None]
+        sums = ((_pair_dot(words, z, p0[None, :, :], 0) + _pair_dot(words, z, p1[None, :, :], 4))
+                + (_pair_dot(words, z, p2[None, :, :], 8)
+                   + _pair_dot(words, z, p3[None, :, :], 12)))
+    return sums * scale[:, :, None]
+
+
+@triton.jit
+def _pair_dot(words, zero, pair, SHIFT: tl.constexpr):
+    """(code - zero) x for the codes at bits SHIFT and SHIFT + 16 and their pair's x."""
+    lo = ((words >> SHIFT) & 15).to(tl.float32) - zero
+    hi = ((words >> (SHIFT + 16)) & 15).to(tl.float32) - zero
+    return (lo * (pair << 16).to(tl.float32, bitcast=True)
+            + hi * (pair & 0xFFFF0000).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _pairs_of_words(x_ptr, k0, words_in, K: tl.constexpr, ASM: tl.constexpr):
+    """x's bfloat16 pairs for _pair_dots, read as int32 words from the bfloat16 input at the
+    K tile k0 (words_in [R, W]: the tile's words of codes; none past K)."""
+    at = (k0 + words_in * 8)[:, :, None] // 2 + tl.arange(0, 4)[None, None, :]  # [R, W, 4]
+    bits = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + at, mask=at < K // 2, other=0)
+    x01_45, x23_67 = tl.split(tl.reshape(bits, (at.shape[0], at.shape[1], 2, 2)))
+    x01, x45 = tl.split(x01_45)
+    x23, x67 = tl.split(x23_67)
+    if ASM:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _PAIRS_OF_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r", [x01, x23, x45, x67],
+            dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
+    else:
+        p0, p1 = (x01 & 0xFFFF) | (x45 << 16), (x01 >> 16) | (x45 & 0xFFFF0000)
+        p2, p3 = (x23 & 0xFFFF) | (x67 << 16), (x23 >> 16) | (x67 & 0xFFFF0000)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _pairs_of_floats(x, ASM: tl.constexpr):
+    """x's bfloat16 pairs for _pair_dots from a float32 tile x [R, W, 8] of bfloat16 values."""
+    # code i = 4a + 2b + c; each split takes the last axis
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
+    x0_4, x2_6 = tl.split(even)
+    x1_5, x3_7 = tl.split(odd)
+    return (_pair_of_floats(x0_4, ASM), _pair_of_floats(x1_5, ASM),
+            _pair_of_floats(x2_6, ASM), _pair_of_floats(x3_7, ASM))
+
+
+@triton.jit
+def _pair_of_floats(both, ASM: tl.constexpr):
+    lo, hi = tl.split(both)
+    if ASM:
+        pair = tl.inline_asm_elementwise(_PAIR_OF_FLOATS_ASM, "=r,r,r", [lo, hi],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        pair = ((lo.to(tl.uint32, bitcast=True) >> 16)
+                | (hi.to(tl.uint32, bitcast=True) & 0xFFFF0000))
+    return pair
 
 
 @triton.jit
@@ -423,7 +552,8 @@ def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             BLOCK_M=block_m, **shape)
     else:
         _packed_gemv[(programs, splits)](x, qweight, scales, zeros, mins_or_any, y, n, n,
-                                         field_mask(bits), EVEN=k % k_split == 0, **shape)
+                                         field_mask(bits), EVEN=k % k_split == 0,
+                                         ASM=word_asm(x.device), **shape)
     return y[0] if splits == 1 else y.sum(0).to(x.dtype)
 
 

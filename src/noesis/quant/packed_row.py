@@ -34,11 +34,15 @@ from noesis.kernels.row_gemv import (
 )
 from noesis.quant.kernel import (
     _device_name,
+    _pair_dots,
+    _pairs_of_floats,
+    _pairs_of_words,
     _run_length,
-    _unpack_in_thread,
+    _word_dots,
     _zero_point,
     field_mask,
     gemv_config,
+    word_asm,
 )
 
 
@@ -50,19 +54,19 @@ def _packed_row_gemv(
     SUB: tl.constexpr, ZERO: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr,
     RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     PAIR: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
 ):
     """_row_gemv (its modes, NORM, RESIDUAL, FP8, PDL and rows per program) with W packed: rows
     of int32 words along K, BITS per code, per-group scales s and zero points z (ZERO < 0: from
     z_ptr, else that constant for every group), every run of SUB columns of a K tile inside one
     group. The whole of K per program in BLOCK_K tiles, no split-K.
 
-    A tile's words are held as [ROWS, runs, words per run] and unpacked inside each thread as
-    _packed_gemv unpacks them (`field`: field_mask(BITS)): per code a shift, a mask-or and an
-    FMA of q = 1 + code / 2^BITS with x; per word sum (code - z) s x = 2^BITS s sum q x -
-    (2^BITS + z) s sum x. So the weight is (code - z) s as float32 holds it, the input f(x)
-    rounded where the unfused kernels round it."""
+    A tile's words are held as [ROWS, runs, words per run] and summed word by word as
+    _packed_gemv sums them: 4-bit codes against a bfloat16 input in bfloat16x2 arithmetic
+    (_pair_dots; ASM: inline PTX), otherwise in float32 (_word_dots; `field`:
+    field_mask(BITS)). The input f(x) is rounded where the unfused kernels round it."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    PAIRS: tl.constexpr = BITS == 4 and DTYPE == tl.bfloat16
     PACK: tl.constexpr = 32 // BITS
     RUNS: tl.constexpr = BLOCK_K // SUB
     WORDS: tl.constexpr = SUB // PACK  # per run
@@ -71,33 +75,37 @@ def _packed_row_gemv(
     codes_in = words_in[:, :, None] * PACK + tl.arange(0, PACK)[None, None, :]  # [R, W, P]
     field = field.to(tl.uint32, bitcast=True)
     # The first K tile of weights owes nothing to the kernel before: read it before waiting.
-    words, scale, offset = _packed_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, 0, words_in, K,
-                                        BITS, GROUP, GROUPS, SUB, ZERO, BLOCK_K)
-    words_pair, scale_pair, offset_pair = words, scale, offset
+    words, scale, zero = _packed_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, 0, words_in, K,
+                                      BITS, GROUP, GROUPS, SUB, ZERO, BLOCK_K)
+    words_pair, scale_pair, zero_pair = words, scale, zero
     if MODE != _PLAIN:
-        words_pair, scale_pair, offset_pair = _packed_tile(
+        words_pair, scale_pair, zero_pair = _packed_tile(
             w_ptr, s_ptr, z_ptr, rows + PAIR, row_ok, 0, words_in, K, BITS, GROUP, GROUPS, SUB,
             ZERO, BLOCK_K)
     if PDL:
         gdc_wait()  # x, and the residual, come from the kernel before
     rstd = _rstd(x_ptr, eps, K, NORM, BLOCK_K)
-    x = _x_tile(x_ptr, norm_ptr, codes_in, K, rstd, NORM, DTYPE)  # [R, W, P]
-    acc = _packed_products(words, scale, offset, x, field, BITS, ROWS, RUNS, WORDS)
+    x, p0, p1, p2, p3 = _x_operand(x_ptr, norm_ptr, 0, words_in, codes_in, K, rstd, NORM,
+                                   PAIRS, ASM)
+    acc = _dots(words, scale, zero, x, p0, p1, p2, p3, field, BITS, ROWS, RUNS, WORDS, PAIRS,
+                ASM)
     acc_pair = acc
     if MODE != _PLAIN:
-        acc_pair = _packed_products(words_pair, scale_pair, offset_pair, x, field, BITS, ROWS,
-                                    RUNS, WORDS)
+        acc_pair = _dots(words_pair, scale_pair, zero_pair, x, p0, p1, p2, p3, field, BITS,
+                         ROWS, RUNS, WORDS, PAIRS, ASM)
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        x = _x_tile(x_ptr, norm_ptr, k + codes_in, K, rstd, NORM, DTYPE)
-        words, scale, offset = _packed_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k, words_in, K,
-                                            BITS, GROUP, GROUPS, SUB, ZERO, BLOCK_K)
-        acc += _packed_products(words, scale, offset, x, field, BITS, ROWS, RUNS, WORDS)
+        x, p0, p1, p2, p3 = _x_operand(x_ptr, norm_ptr, k, words_in, codes_in, K, rstd, NORM,
+                                       PAIRS, ASM)
+        words, scale, zero = _packed_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k, words_in, K,
+                                          BITS, GROUP, GROUPS, SUB, ZERO, BLOCK_K)
+        acc += _dots(words, scale, zero, x, p0, p1, p2, p3, field, BITS, ROWS, RUNS, WORDS,
+                     PAIRS, ASM)
         if MODE != _PLAIN:
-            words, scale, offset = _packed_tile(w_ptr, s_ptr, z_ptr, rows + PAIR, row_ok, k,
-                                                words_in, K, BITS, GROUP, GROUPS, SUB, ZERO,
-                                                BLOCK_K)
-            acc_pair += _packed_products(words, scale, offset, x, field, BITS, ROWS, RUNS,
-                                         WORDS)
+            words, scale, zero = _packed_tile(w_ptr, s_ptr, z_ptr, rows + PAIR, row_ok, k,
+                                              words_in, K, BITS, GROUP, GROUPS, SUB, ZERO,
+                                              BLOCK_K)
+            acc_pair += _dots(words, scale, zero, x, p0, p1, p2, p3, field, BITS, ROWS, RUNS,
+                              WORDS, PAIRS, ASM)
     if PDL:
         gdc_launch_dependents()
     _row_epilogue(tl.sum(tl.sum(acc, 2), 1), tl.sum(tl.sum(acc_pair, 2), 1), rows, row_ok, j,
@@ -107,12 +115,42 @@ def _packed_row_gemv(
 
 
 @triton.jit
+def _x_operand(x_ptr, norm_ptr, k0, words_in, codes_in, K: tl.constexpr, rstd,
+               NORM: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """The input's K tile at k0 (rms_norm(x) * weight where NORM) as _dots takes it: PAIRS,
+    four tensors of bfloat16 pairs [R, W] (the first returned value unused); otherwise the
+    float32 tile [R, W, P] (the other four unused)."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    if PAIRS and not NORM:
+        p0, p1, p2, p3 = _pairs_of_words(x_ptr, k0, words_in, K, ASM)
+        x = p0
+    else:
+        x = _x_tile(x_ptr, norm_ptr, k0 + codes_in, K, rstd, NORM, DTYPE)  # [R, W, P]
+        if PAIRS:
+            p0, p1, p2, p3 = _pairs_of_floats(x, ASM)
+        else:
+            p0, p1, p2, p3 = x, x, x, x
+    return x, p0, p1, p2, p3
+
+
+@triton.jit
+def _dots(words, scale, zero, x, p0, p1, p2, p3, field, BITS: tl.constexpr, ROWS: tl.constexpr,
+          RUNS: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """Per word [ROWS, R, W]: sum over its codes of (code - zero) * scale * x."""
+    if PAIRS:
+        dots = _pair_dots(words, scale, zero, p0, p1, p2, p3, ASM)
+    else:
+        dots = _word_dots(words, scale, -zero * scale, x, field, BITS, ROWS, RUNS, WORDS)
+    return dots
+
+
+@triton.jit
 def _packed_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, words_in, K: tl.constexpr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
                  SUB: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
     """The K tile at k0 of `rows`: words [ROWS, R, W] uint32 (16-byte loads along K; no mask
-    along K where no tile reaches past it), and per run 2^BITS * scale and (2^BITS + zero) *
-    scale [ROWS, R], float32."""
+    along K where no tile reaches past it), and per run the scale and the zero point [ROWS, R],
+    float32."""
     PACK: tl.constexpr = 32 // BITS
     RUNS: tl.constexpr = BLOCK_K // SUB
     w_rows = w_ptr + (rows.to(tl.int64) * (K // PACK))[:, None, None]
@@ -126,19 +164,7 @@ def _packed_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, words_in, K: tl.constexp
     at = rows[:, None] * GROUPS + (starts // GROUP)[None, :]  # [ROWS, R]
     ok = row_ok[:, None] & (starts < K)[None, :]
     scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    offset = scale * _zero_point(z_ptr, at, ok, ZERO, (1 << BITS))
-    return words.to(tl.uint32, bitcast=True), scale * (1 << BITS), offset
-
-
-@triton.jit
-def _packed_products(words, scale, offset, x, field, BITS: tl.constexpr, ROWS: tl.constexpr,
-                     RUNS: tl.constexpr, WORDS: tl.constexpr):
-    """Per word [ROWS, R, W]: sum over its codes of (code - zero) * scale * x, from
-    _packed_tile's words, scale and offset and the input tile x [R, W, P] (float32)."""
-    q = _unpack_in_thread(words, BITS, ROWS, RUNS, WORDS, field)  # [ROWS, R, W, P]
-    sums = tl.sum(q * x[None, :, :, :], 3)
-    word_x = tl.sum(x, 2)[None, :, :]  # each thread sums its own words' x
-    return sums * scale[:, :, None] - offset[:, :, None] * word_x
+    return words.to(tl.uint32, bitcast=True), scale, _zero_point(z_ptr, at, ok, ZERO, 0)
 
 
 # (rows per program, K tile, warps, pipeline stages), looked up in order:
@@ -151,8 +177,9 @@ def _packed_products(words, scale, offset, x, field, BITS: tl.constexpr, ROWS: t
 # - DEFAULT_ROWS rows (per block: the paired modes read two) in K tiles of 256 codes (the
 #   sweep's for the int4 and int8 gate_up GEMVs), one warp, three stages. Every thread
 #   recomputes RMSNorm for the x of its words, so the norm's cost per code falls with the rows
-#   a warp holds: in sm_90 SASS the int4 gate_up loop takes 7.7 instructions per code with
-#   8 + 8 rows per warp, 5.6 with 16 + 16 (the unfused GEMV's: 5.1 with 16 rows).
+#   a warp holds: in sm_90 SASS the int4 gate_up loop with a bfloat16 input takes 4.7
+#   instructions per code with 16 + 16 rows per warp (5.6 before the bfloat16x2 pair path),
+#   the plain GEMV's 3.6 with 64 rows on 4 warps.
 PACKED_ROW_TUNED: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
 CONFIG_FILE = Path(__file__).with_name("packed_row_configs.json")
 DEFAULT_ROWS = 16
@@ -204,7 +231,7 @@ def _launch(mode, x, packed, y, programs, config, *, norm=None, eps=0.0, residua
         ZERO=qzeros if constant_zero else -1, MODE=mode, NORM=norm is not None,
         RESIDUAL=residual is not None, ROWS=rows, BLOCK_K=block_k, STAGES=stages, PAIR=pair,
         HEAD_DIM=heads[2], NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1],
-        FP8=kv_scales is not None, num_warps=warps,
+        FP8=kv_scales is not None, ASM=word_asm(x.device), num_warps=warps,
         **pdl.pdl_launch(x),
     )
     return y
