@@ -52,11 +52,11 @@ class Tiles:
 
 # Decode, (gate_up, down) by MXFP4 or not: narrow column blocks, so that even one token's pairs
 # fill the GPU; MXFP4 reads half as many bytes per K tile, so its tiles are longer. The best of
-# sweeps at batch 1 (`benchmarks/moe_gemv_sweep.py --tiles gemv`, RESULTS.md): bf16 on the H100
-# (Qwen3-30B-A3B), MXFP4 on the H200 (gpt-oss-20b) after the word decode, whose gate_up gained
-# most from wider column blocks (8 -> 32).
-GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(16, 256, 4)),
-              True: (Tiles(32, 512, 4), Tiles(16, 1024, 4))}  # fmt: skip
+# sweeps at batch 1 (`benchmarks/moe_gemv_sweep.py --tiles gemv`, RESULTS.md), both on the H200
+# after the bfloat16x2 MXFP4 decode: gpt-oss-20b's down on 2 warps (720 programs of 4 warps,
+# 96 registers, made 1.09 waves; ncu), Qwen3-30B-A3B's down on 8-column blocks.
+GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(8, 256, 4)),
+              True: (Tiles(32, 512, 4), Tiles(16, 1024, 2))}  # fmt: skip
 SORTED = Tiles(64, 64, 4)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no assembly
 # Warps of the routing kernel: one program a token, whose k passes each reduce over the experts
@@ -430,29 +430,32 @@ def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.cons
           MXFP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
           INTERPRET: tl.constexpr):  # fmt: skip
     """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles. MXFP4 reads its codes as
-    int32 words of eight, decodes a word in 32-bit operations (`_e2m1_word`), multiplies the
-    eight values with x's columns strided by 8, sums each block of 32 products unscaled, then
-    scales the block's sum once."""
-    # Each iteration issues the next tile's weight (and scale) loads before it computes on this
-    # one (a plain range loop is not software-pipelined: launch num_stages changed nothing);
-    # MXFP4's eight x columns are loaded in the iteration (prefetching them took 168 -> 252
-    # registers at the gate_up tile, not timed yet).
+    int32 words of eight and sums each word's eight code * x: against a bfloat16 x in
+    bfloat16x2 arithmetic, x's columns strided by 8 and paired (`_e2m1_dots`), otherwise each
+    code through `_e2m1` in float32; then each block of 32 products once, scaled once."""
+    # Each iteration issues the next tile's loads (weights, scales and a bfloat16 x's pairs)
+    # before it computes on this one: a plain range loop is not software-pipelined, and
+    # tl.range's pipelining (cp.async, 3 stages) measured slower (RESULTS.md).
     if MXFP4:
+        PAIRS: tl.constexpr = x_row.dtype.element_ty == tl.bfloat16
+        SHIFT: tl.constexpr = 26 if PAIRS else 14  # what the decode leaves out
         acc = tl.zeros((ROWS, BLOCK_K // 32), tl.float32)
-        words, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K, 8)
+        words, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K, 8,
+                                   SHIFT)  # fmt: skip
+        if PAIRS:
+            p0, p1, p2, p3 = _x_pairs(x_row, 0, K, BLOCK_K, INTERPRET)
         for k0 in range(0, K, BLOCK_K):
             next_words, next_scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok,
-                                                 k0 + BLOCK_K, N, K, BLOCK_K, 8)  # fmt: skip
-            c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(words, INTERPRET)
-            cols = k0 + 8 * tl.arange(0, BLOCK_K // 8)
-            part = c0 * _x_at(x_row, cols, K)[None, :]
-            part += c1 * _x_at(x_row, cols + 1, K)[None, :]
-            part += c2 * _x_at(x_row, cols + 2, K)[None, :]
-            part += c3 * _x_at(x_row, cols + 3, K)[None, :]
-            part += c4 * _x_at(x_row, cols + 4, K)[None, :]
-            part += c5 * _x_at(x_row, cols + 5, K)[None, :]
-            part += c6 * _x_at(x_row, cols + 6, K)[None, :]
-            part += c7 * _x_at(x_row, cols + 7, K)[None, :]
+                                                 k0 + BLOCK_K, N, K, BLOCK_K, 8, SHIFT)  # fmt: skip
+            if PAIRS:
+                n0, n1, n2, n3 = _x_pairs(x_row, k0 + BLOCK_K, K, BLOCK_K, INTERPRET)
+                part = _e2m1_dots(words, p0, p1, p2, p3, INTERPRET)
+                p0, p1, p2, p3 = n0, n1, n2, n3
+            else:
+                cols = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+                part = _e2m1(words & 15) * _x_at(x_row, cols, K)[None, :]
+                for i in tl.static_range(1, 8):
+                    part += _e2m1((words >> (4 * i)) & 15) * _x_at(x_row, cols + i, K)[None, :]
             acc += tl.sum(tl.reshape(part, (ROWS, BLOCK_K // 32, 4)), axis=2) * scale
             words, scale = next_words, next_scale
     else:
@@ -513,10 +516,12 @@ def _tile_matmul(x_rows, x_ok, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constex
 
 @triton.jit
 def _mxfp4_load(b_ptr, s_ptr, expert, rows, row_ok, k0, N: tl.constexpr, K: tl.constexpr,
-                BLOCK_K: tl.constexpr, CODES: tl.constexpr = 2):  # fmt: skip
+                BLOCK_K: tl.constexpr, CODES: tl.constexpr = 2,
+                SHIFT: tl.constexpr = 14):  # fmt: skip
     """Columns k0 .. k0 + BLOCK_K of W[expert, rows]: the codes as stored [ROWS, BLOCK_K / CODES]
     (uint8 bytes of two, or the same memory as int32 words of eight) and the blocks' scales
-    [ROWS, BLOCK_K / 32] as float32, times 2^14 (what `_e2m1` leaves out)."""
+    [ROWS, BLOCK_K / 32] as float32, times 2^SHIFT (what the decode leaves out: 2^14 for
+    `_e2m1`, 2^26 for `_e2m1_dots`)."""
     PER_ROW: tl.constexpr = K // CODES
     GROUPS: tl.constexpr = K // 32
     j = k0 // CODES + tl.arange(0, BLOCK_K // CODES)
@@ -525,44 +530,90 @@ def _mxfp4_load(b_ptr, s_ptr, expert, rows, row_ok, k0, N: tl.constexpr, K: tl.c
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     exponent = tl.load(s_ptr + expert * N * GROUPS + rows[:, None] * GROUPS + g[None, :],
                        mask=row_ok[:, None] & (g < GROUPS)[None, :], other=0)  # fmt: skip
-    # 2^(e - 127 + 14) built as a float32's bits: exact for biased exponents e <= 240
-    scale = ((exponent.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    # 2^(e - 127 + SHIFT) built as a float32's bits: exact for biased exponents e <= 254 - SHIFT
+    scale = ((exponent.to(tl.int32) + SHIFT) << 23).to(tl.float32, bitcast=True)
     return packed, scale
 
 
-# An int32 word of eight E2M1 codes (the first in the low bits) -> the eight values * 2^-14 in
-# float32 ($0-$7, in order), like `_e2m1` but two codes at a time in 32-bit operations: each
-# half of a register gets a code's sign at bit 15 and its exponent and mantissa bits at 9-11,
-# then float16 -> float32. Codes 0 and 4 sit at bits 0-3 and 16-19, 2 and 6 at 8-11 and
-# 24-27; 1, 5, 3 and 7 four bits up. About 5 instructions a code in the GEMV's loop against
-# 8.8 for the byte-wise decode it replaced (sm_90 SASS).
-_E2M1_WORD_ASM = tl.constexpr("""{
-.reg .b32 a, b, p;
-.reg .b16 l, h;
-shl.b32 a, $8, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 12; and.b32 b, b, 0x80008000;
-or.b32 p, a, b; mov.b32 {l, h}, p; cvt.f32.f16 $0, l; cvt.f32.f16 $4, h;
-shl.b32 a, $8, 1; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 4; and.b32 b, b, 0x80008000;
-or.b32 p, a, b; mov.b32 {l, h}, p; cvt.f32.f16 $2, l; cvt.f32.f16 $6, h;
-shl.b32 a, $8, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, $8, 8; and.b32 b, b, 0x80008000;
-or.b32 p, a, b; mov.b32 {l, h}, p; cvt.f32.f16 $1, l; cvt.f32.f16 $5, h;
-shr.b32 a, $8, 3; and.b32 a, a, 0x0E000E00; and.b32 b, $8, 0x80008000;
-or.b32 p, a, b; mov.b32 {l, h}, p; cvt.f32.f16 $3, l; cvt.f32.f16 $7, h;
+# A bfloat16 x's columns (j, j + 4) of eight, j = 0..3, as bfloat16x2 pairs times 2^100, from
+# the eight read as four int32 words ($4-$7: columns (0, 1), (2, 3), (4, 5), (6, 7)): a byte
+# permute and an exact multiply by a power of two each, which keeps the products below in
+# bfloat16's normal range.
+_X_PAIRS_ASM = tl.constexpr("""{
+.reg .b32 s, z;
+mov.b32 s, 0x71807180; mov.b32 z, 0x80008000;
+prmt.b32 $0, $4, $6, 0x5410; fma.rn.bf16x2 $0, $0, s, z;
+prmt.b32 $1, $4, $6, 0x7632; fma.rn.bf16x2 $1, $1, s, z;
+prmt.b32 $2, $5, $7, 0x5410; fma.rn.bf16x2 $2, $2, s, z;
+prmt.b32 $3, $5, $7, 0x7632; fma.rn.bf16x2 $3, $3, s, z;
+}""")
+# sum over an int32 word's eight E2M1 codes ($1; code i at bits 4i) of value * x * 2^-26, from
+# x's pairs ($2-$5: columns (j, j + 4) times 2^100, j = 0..3). Each half of a register gets a
+# code's sign at bit 15 and its exponent and mantissa bits at 6-8, which is bfloat16's value *
+# 2^-126, subnormal 0.5 included: codes 3 and 7 sit at the top of the word's halves, and the
+# word moves up 4 bits for each next pair (2 and 6, 1 and 5, 0 and 4). The four pairs' products
+# are summed in a bfloat16x2 tree (each rounded to bfloat16, 2^-9), the halves added in
+# float32. About 23 instructions a word, 2.9 a code, against 5 for the float32 decode.
+_E2M1_DOTS_ASM = tl.constexpr("""{
+.reg .b32 q, t, v0, v1, v2, v3, mh, ms, z, one, lo, hi;
+mov.b32 mh, 0x70007000; mov.b32 ms, 0x80008000; mov.b32 z, 0x80008000; mov.b32 one, 0x3F803F80;
+and.b32 t, $1, mh; shr.b32 t, t, 6; lop3.b32 v3, $1, ms, t, 0xEA;
+shl.b32 q, $1, 4; and.b32 t, q, mh; shr.b32 t, t, 6; lop3.b32 v2, q, ms, t, 0xEA;
+shl.b32 q, $1, 8; and.b32 t, q, mh; shr.b32 t, t, 6; lop3.b32 v1, q, ms, t, 0xEA;
+shl.b32 q, $1, 12; and.b32 t, q, mh; shr.b32 t, t, 6; lop3.b32 v0, q, ms, t, 0xEA;
+fma.rn.bf16x2 v0, v0, $2, z; fma.rn.bf16x2 v0, v1, $3, v0;
+fma.rn.bf16x2 v2, v2, $4, z; fma.rn.bf16x2 v2, v3, $5, v2;
+fma.rn.bf16x2 v0, v0, one, v2;
+shl.b32 lo, v0, 16; and.b32 hi, v0, 0xFFFF0000;
+add.f32 $0, lo, hi;
 }""")
 
 
 @triton.jit
-def _e2m1_word(words, INTERPRET: tl.constexpr):
-    """int32 words of eight codes (the first in the low bits) -> the eight codes' values
-    * 2^-14, float32, in order: `_E2M1_WORD_ASM` on a GPU, `_e2m1` on each code under Triton's
-    interpreter (which runs no assembly)."""
+def _x_pairs(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """A bfloat16 x's K tile at k0 as the four pairs per word of codes that `_e2m1_dots` takes
+    ([BLOCK_K / 8] uint32 each, 0 past K): columns (j, j + 4) of each eight, bfloat16x2 times
+    2^100 (`_X_PAIRS_ASM`); under Triton's interpreter the bits, unscaled."""
+    at = (k0 // 2 + 4 * tl.arange(0, BLOCK_K // 8))[:, None] + tl.arange(0, 4)[None, :]
+    bits = tl.load(x_row.to(tl.pointer_type(tl.uint32)) + at, mask=at < K // 2, other=0)
+    x01_45, x23_67 = tl.split(tl.reshape(bits, (BLOCK_K // 8, 2, 2)))
+    x01, x45 = tl.split(x01_45)
+    x23, x67 = tl.split(x23_67)
     if INTERPRET:
-        return (_e2m1(words & 15), _e2m1((words >> 4) & 15), _e2m1((words >> 8) & 15),
-                _e2m1((words >> 12) & 15), _e2m1((words >> 16) & 15), _e2m1((words >> 20) & 15),
-                _e2m1((words >> 24) & 15), _e2m1((words >> 28) & 15))  # fmt: skip
-    return tl.inline_asm_elementwise(
-        _E2M1_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8,
-        is_pure=True, pack=1,
-    )  # fmt: skip
+        p0, p1 = (x01 & 0xFFFF) | (x45 << 16), (x01 >> 16) | (x45 & 0xFFFF0000)
+        p2, p3 = (x23 & 0xFFFF) | (x67 << 16), (x23 >> 16) | (x67 & 0xFFFF0000)
+    else:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _X_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r", [x01, x23, x45, x67], dtype=(tl.uint32,) * 4,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _e2m1_dots(words, p0, p1, p2, p3, INTERPRET: tl.constexpr):
+    """[ROWS, W] int32 words of eight E2M1 codes, x's pairs [W] (`_x_pairs`) -> per word the sum
+    of value * x * 2^-26, float32: `_E2M1_DOTS_ASM` on a GPU; under Triton's interpreter (no
+    assembly) the same sum from the same pairs, each code through `_e2m1`, in float32."""
+    if INTERPRET:
+        sums = ((_e2m1_pair(words, p0[None, :], 0) + _e2m1_pair(words, p1[None, :], 4))
+                + (_e2m1_pair(words, p2[None, :], 8) + _e2m1_pair(words, p3[None, :], 12)))
+        sums = sums * (1.0 / 4096)  # `_e2m1`'s 2^-14 -> 2^-26
+    else:
+        sums = tl.inline_asm_elementwise(
+            _E2M1_DOTS_ASM, "=r,r,r,r,r,r", [words, p0[None, :], p1[None, :], p2[None, :],
+                                             p3[None, :]],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    return sums
+
+
+@triton.jit
+def _e2m1_pair(words, pair, SHIFT: tl.constexpr):
+    """value * 2^-14 * x for the codes at bits SHIFT and SHIFT + 16 and their pair's x."""
+    lo = _e2m1((words >> SHIFT) & 15) * (pair << 16).to(tl.float32, bitcast=True)
+    hi = _e2m1((words >> (SHIFT + 16)) & 15) * (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return lo + hi
 
 
 @triton.jit
