@@ -14,11 +14,12 @@ so a CUDA graph captures them:
 
 MXFP4 (gpt-oss's layout, weights/mxfp4.py): blocks [E, N, K / 32, 16] uint8 hold two E2M1 codes
 per byte (the low nibble first), scales [E, N, K / 32] uint8 biased exponents. The decode
-GEMV reads the same memory as int32 words of eight codes and decodes a word in inline PTX, two
-codes per 32-bit operation; the sorted layout's tiles decode each byte to its even (low) and odd
-(high) columns, which meet the even and odd columns of x. Every sum is float32; values are
-rounded to the model dtype where the PyTorch path rounds them (after each projection, after
-the activation).
+GEMV reads the same memory as int32 words of eight codes; against a bfloat16 x it sums each
+word's eight products in bfloat16x2 inline PTX, two codes per 32-bit operation (each product and
+partial sum rounded to bfloat16, the word's sum and everything after in float32), otherwise each
+code in float32. The sorted layout's tiles decode each byte to its even (low) and odd (high)
+columns, which meet the even and odd columns of x. Values are rounded to the model dtype where
+the PyTorch path rounds them (after each projection, after the activation).
 
 The decode layout's kernels and the routing take programmatic dependent launch (kernels/pdl.py):
 each launches while the one before it finishes and waits for it before its first read.
