@@ -30,7 +30,7 @@ def quantize_k(values: np.ndarray | torch.Tensor, kind: str) -> np.ndarray:
     in `kind`'s layout (Q4_K, Q5_K or Q6_K)."""
     if kind not in BLOCK_BYTES:
         raise ValueError(f"K-quant type {kind!r} is not one of {', '.join(BLOCK_BYTES)}")
-    x = torch.as_tensor(np.asarray(values, dtype=np.float32))
+    x = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the input may be read-only
     if x.ndim == 0 or x.shape[-1] % QK_K:
         raise ValueError(f"{kind} needs rows of a multiple of {QK_K} values, got shape "
                          f"{tuple(x.shape)}")
