@@ -354,6 +354,30 @@ def test_tokenizer_ids_equal_transformers(tmp_path, vocabs, case):
         assert backend.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
 
 
+# llama.cpp's split for these pre-tokenizer names: every digit alone, then GPT-2's regex on the
+# rest (SmolLM's own tokenizer.json: Digits(individual_digits) before ByteLevel)
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+@pytest.mark.parametrize("pre", ["smollm", "starcoder", "command-r"])
+def test_digit_splitting_pre_tokenizers_split_as_llama_cpp(vocabs, pre):
+    import regex
+
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+                "tokenizer.ggml.tokens": vocabs["gpt2"]["tokens"],
+                "tokenizer.ggml.token_type": vocabs["gpt2"]["types"],
+                "tokenizer.ggml.merges": vocabs["gpt2"]["merges"]}
+    backend, _ = build_tokenizer(metadata)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for text in [t for t in TOKENIZER_TEXTS if "<" not in t]:
+        pieces = [p for p in regex.split(r"(\p{N})", text) if p]
+        expected = [word for piece in pieces for word in regex.findall(GPT2_REGEX, piece)]
+        spelled = [byte_level.pre_tokenize_str(word)[0][0] for word in expected]
+        got = [word for word, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+        assert got == spelled, text
+    assert backend.decode(backend.encode("in 2024, 365 days").ids) == "in 2024, 365 days"
+
+
 def test_chat_template_and_special_tokens_reach_the_engine(tmp_path, vocabs):
     path = tmp_path / "qwen2.gguf"
     write_gguf(path, hf_model("qwen2"), "qwen2", "F16", vocabs["gpt2"], pre="qwen2")

@@ -54,6 +54,9 @@ SPLITS = {
     "tekken": _TEKKEN,
 }
 GPT2_PRE = ("default", "gpt2", "gpt-2")
+# pre-tokenizers that split every digit off first, then split as GPT-2 (llama.cpp's table)
+DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                    "minerva")
 KINDS = ("gpt2", "llama")
 
 
@@ -110,10 +113,14 @@ def _byte_level_split(pre: Any) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
     if pre not in (None, *GPT2_PRE):
         logger.warning("GGUF pre-tokenizer %r is not known to noesis: text is split as GPT-2 "
-                       "does (known: %s)", pre, ", ".join(sorted(SPLITS)))
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+                       "does (known: %s)", pre,
+                       ", ".join(sorted([*SPLITS, *DIGITS_THEN_GPT2, *GPT2_PRE])))
+    return gpt2
 
 
 def _byte_alphabet() -> dict[int, str]:
