@@ -27,7 +27,6 @@ each launches while the one before it finishes and waits for it before its first
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ import triton
 import triton.language as tl
 
 from noesis.kernels import pdl
+from noesis.kernels.asm import bf16x2_asm
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import _or
 from noesis.weights.mxfp4 import Mxfp4Weight
@@ -59,7 +59,6 @@ class Tiles:
 GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(8, 256, 4)),
               True: (Tiles(32, 512, 4), Tiles(16, 1024, 2))}  # fmt: skip
 SORTED = Tiles(64, 64, 4)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no assembly
 # Warps of the routing kernel: one program a token, whose k passes each reduce over the experts
 # twice. On one warp the reductions are register shuffles; on Triton's default of 4 they also
 # cross warps through shared memory (sm_90 PTX at 128 experts and top 8: 53 barriers against 0).
@@ -160,7 +159,7 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
         glu["alpha"],
         TOP_K=top_k, H=hidden, I=inner, MXFP4=isinstance(gate_up, Mxfp4Weight),
         HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"], BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, INTERPRET=INTERPRET, num_warps=tiles.num_warps,
+        BLOCK_K=tiles.block_k, NO_ASM=not bf16x2_asm(x.device), num_warps=tiles.num_warps,
         **pdl.pdl_launch(x),
     )  # fmt: skip
     tiles = GEMV_TILES[isinstance(down, Mxfp4Weight)][1]
@@ -169,7 +168,7 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
         act, ids, weights, *_operands(down, words=True), _or(down_bias, x), partial,
         H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
         HAS_BIAS=down_bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        INTERPRET=INTERPRET, num_warps=tiles.num_warps, **pdl.pdl_launch(x),
+        NO_ASM=not bf16x2_asm(x.device), num_warps=tiles.num_warps, **pdl.pdl_launch(x),
     )  # fmt: skip
     return partial
 
@@ -296,7 +295,7 @@ def _gemv_gate_up(
     x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, limit, alpha,
     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    NO_ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T): one pair, BLOCK_N columns of gate and
     the same of up, read as 2 * BLOCK_N interleaved rows (gate, up, gate, ...)."""
@@ -309,7 +308,7 @@ def _gemv_gate_up(
     rows = cols + (r % 2) * I
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * H
     acc = _gemv(x_row, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4, 2 * BLOCK_N, BLOCK_K,
-                INTERPRET)  # fmt: skip
+                NO_ASM)  # fmt: skip
     if PDL:
         gdc_launch_dependents()
     if HAS_BIAS:
@@ -325,7 +324,7 @@ def _gemv_gate_up(
 def _gemv_down(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
     H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NO_ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[p, cols] = weight[p] * (act[p] @ down[ids[p]].T) in float32, one pair per program
     (a token's k pairs run side by side; _sum_slots_kernel adds them)."""
@@ -337,7 +336,7 @@ def _gemv_down(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     act_row = act_ptr + pair.to(tl.int64) * I
     y = _gemv(act_row, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4, BLOCK_N, BLOCK_K,
-              INTERPRET)  # fmt: skip
+              NO_ASM)  # fmt: skip
     if PDL:
         gdc_launch_dependents()
     if HAS_BIAS:
@@ -429,7 +428,7 @@ def _sorted_down(
 @triton.jit
 def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.constexpr,
           MXFP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-          INTERPRET: tl.constexpr):  # fmt: skip
+          NO_ASM: tl.constexpr):  # fmt: skip
     """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles. MXFP4 reads its codes as
     int32 words of eight and sums each word's eight code * x: against a bfloat16 x in
     bfloat16x2 arithmetic, x's columns strided by 8 and paired (`_e2m1_dots`), otherwise each
@@ -444,13 +443,13 @@ def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.cons
         words, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K, 8,
                                    SHIFT)  # fmt: skip
         if PAIRS:
-            p0, p1, p2, p3 = _x_pairs(x_row, 0, K, BLOCK_K, INTERPRET)
+            p0, p1, p2, p3 = _x_pairs(x_row, 0, K, BLOCK_K, NO_ASM)
         for k0 in range(0, K, BLOCK_K):
             next_words, next_scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok,
                                                  k0 + BLOCK_K, N, K, BLOCK_K, 8, SHIFT)  # fmt: skip
             if PAIRS:
-                n0, n1, n2, n3 = _x_pairs(x_row, k0 + BLOCK_K, K, BLOCK_K, INTERPRET)
-                part = _e2m1_dots(words, p0, p1, p2, p3, INTERPRET)
+                n0, n1, n2, n3 = _x_pairs(x_row, k0 + BLOCK_K, K, BLOCK_K, NO_ASM)
+                part = _e2m1_dots(words, p0, p1, p2, p3, NO_ASM)
                 p0, p1, p2, p3 = n0, n1, n2, n3
             else:
                 cols = k0 + 8 * tl.arange(0, BLOCK_K // 8)
@@ -571,16 +570,16 @@ add.f32 $0, lo, hi;
 
 
 @triton.jit
-def _x_pairs(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+def _x_pairs(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, NO_ASM: tl.constexpr):
     """A bfloat16 x's K tile at k0 as the four pairs per word of codes that `_e2m1_dots` takes
     ([BLOCK_K / 8] uint32 each, 0 past K): columns (j, j + 4) of each eight, bfloat16x2 times
-    2^100 (`_X_PAIRS_ASM`); under Triton's interpreter the bits, unscaled."""
+    2^100 (`_X_PAIRS_ASM`); with NO_ASM (kernels/asm.py) the bits, unscaled."""
     at = (k0 // 2 + 4 * tl.arange(0, BLOCK_K // 8))[:, None] + tl.arange(0, 4)[None, :]
     bits = tl.load(x_row.to(tl.pointer_type(tl.uint32)) + at, mask=at < K // 2, other=0)
     x01_45, x23_67 = tl.split(tl.reshape(bits, (BLOCK_K // 8, 2, 2)))
     x01, x45 = tl.split(x01_45)
     x23, x67 = tl.split(x23_67)
-    if INTERPRET:
+    if NO_ASM:
         p0, p1 = (x01 & 0xFFFF) | (x45 << 16), (x01 >> 16) | (x45 & 0xFFFF0000)
         p2, p3 = (x23 & 0xFFFF) | (x67 << 16), (x23 >> 16) | (x67 & 0xFFFF0000)
     else:
@@ -592,11 +591,12 @@ def _x_pairs(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.co
 
 
 @triton.jit
-def _e2m1_dots(words, p0, p1, p2, p3, INTERPRET: tl.constexpr):
+def _e2m1_dots(words, p0, p1, p2, p3, NO_ASM: tl.constexpr):
     """[ROWS, W] int32 words of eight E2M1 codes, x's pairs [W] (`_x_pairs`) -> per word the sum
-    of value * x * 2^-26, float32: `_E2M1_DOTS_ASM` on a GPU; under Triton's interpreter (no
-    assembly) the same sum from the same pairs, each code through `_e2m1`, in float32."""
-    if INTERPRET:
+    of value * x * 2^-26, float32: `_E2M1_DOTS_ASM`; with NO_ASM (Triton's interpreter, GPUs
+    before compute capability 8.0) the same sum from the same pairs, each code through `_e2m1`,
+    in float32."""
+    if NO_ASM:
         sums = ((_e2m1_pair(words, p0[None, :], 0) + _e2m1_pair(words, p1[None, :], 4))
                 + (_e2m1_pair(words, p2[None, :], 8) + _e2m1_pair(words, p3[None, :], 12)))
         sums = sums * (1.0 / 4096)  # `_e2m1`'s 2^-14 -> 2^-26

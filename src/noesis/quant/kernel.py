@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,13 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
+from noesis.kernels.asm import bf16x2_asm
+
 DECODE_ROWS = 16  # rows 2..DECODE_ROWS share one tuned config (one 16-row tile)
 BATCH_ROWS = 128  # batches up to this many rows take the decode launch; longer ones prefill's
 BATCH_BUCKET = 64  # rows DECODE_ROWS+1..BATCH_ROWS share the config tuned at this many rows
 MAX_BLOCK_M = 64  # rows of x per decode program; 128 rows run as two programs along M
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs: the default split aims at this
 CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no assembly
 
 
 @dataclass(frozen=True)
@@ -213,13 +213,6 @@ fma.rn.bf16x2 v0, v0, one, v2;
 shl.b32 lo, v0, 16; and.b32 hi, v0, 0xFFFF0000;
 add.f32 $0, lo, hi;
 }""")
-
-
-def word_asm(device: torch.device) -> bool:
-    """Whether _pair_dots runs its inline PTX on `device`: a CUDA GPU with bfloat16x2
-    arithmetic (compute capability 8.0 on), not Triton's interpreter."""
-    return (device.type == "cuda" and not INTERPRET
-            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 @triton.jit
@@ -553,7 +546,7 @@ def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     else:
         _packed_gemv[(programs, splits)](x, qweight, scales, zeros, mins_or_any, y, n, n,
                                          field_mask(bits), EVEN=k % k_split == 0,
-                                         ASM=word_asm(x.device), **shape)
+                                         ASM=bf16x2_asm(x.device), **shape)
     return y[0] if splits == 1 else y.sum(0).to(x.dtype)
 
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from noesis.kernels import pdl
+from noesis.kernels.asm import bf16x2_asm
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import (
     _PLAIN,
@@ -42,7 +43,6 @@ from noesis.quant.kernel import (
     _zero_point,
     field_mask,
     gemv_config,
-    word_asm,
 )
 
 
@@ -231,7 +231,7 @@ def _launch(mode, x, packed, y, programs, config, *, norm=None, eps=0.0, residua
         ZERO=qzeros if constant_zero else -1, MODE=mode, NORM=norm is not None,
         RESIDUAL=residual is not None, ROWS=rows, BLOCK_K=block_k, STAGES=stages, PAIR=pair,
         HEAD_DIM=heads[2], NUM_HEADS=heads[0], NUM_KV_HEADS=heads[1],
-        FP8=kv_scales is not None, ASM=word_asm(x.device), num_warps=warps,
+        FP8=kv_scales is not None, ASM=bf16x2_asm(x.device), num_warps=warps,
         **pdl.pdl_launch(x),
     )
     return y
