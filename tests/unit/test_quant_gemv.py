@@ -224,3 +224,21 @@ def test_pair_dots_sum_each_word_against_its_columns(from_floats):
     expected = ((codes.double() - zero.double()[:, :, None, None]) * xs[None]).sum(-1)
     expected *= scale.double()[:, :, None]
     assert torch.allclose(out.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_an_input_at_an_odd_column_is_copied_before_its_words_are_read():
+    """The bfloat16 pairs read x as int32 words: a row slice starting at an odd column (2-byte
+    aligned only) would fault on a GPU, so it is copied first; the result is the same."""
+    from noesis.kernels.asm import word_aligned
+
+    layer, weight = packed_layer(24, 256, 4, 32, dtype=torch.bfloat16, seed=9)
+    wide = torch.randn(1, 257).bfloat16()
+    x = wide[:, 1:]
+    assert x.data_ptr() % 4 != 0
+    aligned = word_aligned(x)
+    assert aligned is not x and aligned.data_ptr() % 4 == 0 and torch.equal(aligned, x)
+    assert word_aligned(aligned) is aligned
+    args = (layer.qweight, layer.scales, layer.qzeros, None, 4, 32)
+    got = kernel.packed_matmul(x, *args, config=CONFIGS["fma"])
+    assert torch.equal(got, kernel.packed_matmul(x.clone(), *args, config=CONFIGS["fma"]))
+    assert relative_error(got, F.linear(x.double(), weight)) < 6e-3

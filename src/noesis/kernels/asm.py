@@ -21,3 +21,11 @@ def bf16x2_asm(device: torch.device) -> bool:
 @functools.cache
 def _sm80(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def word_aligned(x: torch.Tensor) -> torch.Tensor:
+    """`x`, or a contiguous copy of it where its rows do not start on 4-byte boundaries: the
+    bfloat16x2 paths read a 16-bit input as int32 words (a slice at an odd column would fault)."""
+    if x.data_ptr() % 4 == 0 and (x.dim() < 2 or x.stride(0) % 2 == 0):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)

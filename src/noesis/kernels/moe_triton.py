@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from noesis.kernels import pdl
-from noesis.kernels.asm import bf16x2_asm
+from noesis.kernels.asm import bf16x2_asm, word_aligned
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import _or
 from noesis.weights.mxfp4 import Mxfp4Weight
@@ -151,6 +151,7 @@ def align_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
+    x = word_aligned(x)
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
     tiles = GEMV_TILES[isinstance(gate_up, Mxfp4Weight)][0]

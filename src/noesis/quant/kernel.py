@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from noesis.kernels.asm import bf16x2_asm
+from noesis.kernels.asm import bf16x2_asm, word_aligned
 
 DECODE_ROWS = 16  # rows 2..DECODE_ROWS share one tuned config (one 16-row tile)
 BATCH_ROWS = 128  # batches up to this many rows take the decode launch; longer ones prefill's
@@ -516,6 +516,7 @@ def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     n = qweight.shape[0]
     assert qweight.shape[1] * (32 // bits) == k and x.stride(1) == 1
+    x = word_aligned(x)
     if m > BATCH_ROWS:
         return _prefill(x, qweight, scales, qzeros, groups, bits, group_size, mins)
     config = config or gemv_config(bits, n, k, m, x.device)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from noesis.kernels import pdl
-from noesis.kernels.asm import bf16x2_asm
+from noesis.kernels.asm import bf16x2_asm, word_aligned
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import (
     _PLAIN,
@@ -220,7 +220,7 @@ def _launch(mode, x, packed, y, programs, config, *, norm=None, eps=0.0, residua
     assert x.shape == (1, k) and qweight.is_contiguous() and scales.is_contiguous()
     assert residual is None or residual.shape == (1, n) and residual.is_contiguous()
     constant_zero = isinstance(qzeros, int)
-    x = x.contiguous()
+    x = word_aligned(x.contiguous())
     cos, sin, slots, k_cache, v_cache = rope or (x, x, x, x, x)
     _packed_row_gemv[(programs(rows),)](
         x, norm if norm is not None else x, qweight, scales, scales if constant_zero else qzeros,
