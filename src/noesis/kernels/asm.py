@@ -9,6 +9,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no assembly
 
@@ -29,3 +31,36 @@ def word_aligned(x: torch.Tensor) -> torch.Tensor:
     if x.data_ptr() % 4 == 0 and (x.dim() < 2 or x.stride(0) % 2 == 0):
         return x
     return x.clone(memory_format=torch.contiguous_format)
+
+
+# A bfloat16 x's eight columns read as four int32 words ($4-$7: columns (0, 1), (2, 3), (4, 5),
+# (6, 7)) -> the pairs (j, j + 4), j = 0..3, that the 4-bit GEMVs multiply with, column j in the
+# low half: a byte permute each; the scaled form also multiplies each pair by 2^100 (exact: a
+# power of two), which keeps MXFP4's products in bfloat16's normal range.
+_PAIRS_ASM = tl.constexpr("""{
+prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632;
+prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;
+}""")
+_SCALED_PAIRS_ASM = tl.constexpr("""{
+.reg .b32 s, z;
+mov.b32 s, 0x71807180; mov.b32 z, 0x80008000;
+prmt.b32 $0, $4, $6, 0x5410; fma.rn.bf16x2 $0, $0, s, z;
+prmt.b32 $1, $4, $6, 0x7632; fma.rn.bf16x2 $1, $1, s, z;
+prmt.b32 $2, $5, $7, 0x5410; fma.rn.bf16x2 $2, $2, s, z;
+prmt.b32 $3, $5, $7, 0x7632; fma.rn.bf16x2 $3, $3, s, z;
+}""")
+
+
+@triton.jit
+def bf16_pairs(x01, x23, x45, x67, ASM: tl.constexpr, SCALED: tl.constexpr):
+    """uint32 words of a bfloat16 x's columns (0, 1), (2, 3), (4, 5), (6, 7) -> the pairs
+    (0, 4), (1, 5), (2, 6), (3, 7) as uint32 bfloat16x2, times 2^100 where SCALED. Without ASM
+    (see bf16x2_asm) the same pairs by integer operations, unscaled."""
+    if ASM:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _SCALED_PAIRS_ASM if SCALED else _PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r",
+            [x01, x23, x45, x67], dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
+    else:
+        p0, p1 = (x01 & 0xFFFF) | (x45 << 16), (x01 >> 16) | (x45 & 0xFFFF0000)
+        p2, p3 = (x23 & 0xFFFF) | (x67 << 16), (x23 >> 16) | (x67 & 0xFFFF0000)
+    return p0, p1, p2, p3

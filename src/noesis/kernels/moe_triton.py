@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from noesis.kernels import pdl
-from noesis.kernels.asm import bf16x2_asm, word_aligned
+from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import _or
 from noesis.weights.mxfp4 import Mxfp4Weight
@@ -536,18 +536,6 @@ def _mxfp4_load(b_ptr, s_ptr, expert, rows, row_ok, k0, N: tl.constexpr, K: tl.c
     return packed, scale
 
 
-# A bfloat16 x's columns (j, j + 4) of eight, j = 0..3, as bfloat16x2 pairs times 2^100, from
-# the eight read as four int32 words ($4-$7: columns (0, 1), (2, 3), (4, 5), (6, 7)): a byte
-# permute and an exact multiply by a power of two each, which keeps the products below in
-# bfloat16's normal range.
-_X_PAIRS_ASM = tl.constexpr("""{
-.reg .b32 s, z;
-mov.b32 s, 0x71807180; mov.b32 z, 0x80008000;
-prmt.b32 $0, $4, $6, 0x5410; fma.rn.bf16x2 $0, $0, s, z;
-prmt.b32 $1, $4, $6, 0x7632; fma.rn.bf16x2 $1, $1, s, z;
-prmt.b32 $2, $5, $7, 0x5410; fma.rn.bf16x2 $2, $2, s, z;
-prmt.b32 $3, $5, $7, 0x7632; fma.rn.bf16x2 $3, $3, s, z;
-}""")
 # sum over an int32 word's eight E2M1 codes ($1; code i at bits 4i) of value * x * 2^-26, from
 # x's pairs ($2-$5: columns (j, j + 4) times 2^100, j = 0..3). Each half of a register gets a
 # code's sign at bit 15 and its exponent and mantissa bits at 6-8, which is bfloat16's value *
@@ -574,21 +562,13 @@ add.f32 $0, lo, hi;
 def _x_pairs(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, NO_ASM: tl.constexpr):
     """A bfloat16 x's K tile at k0 as the four pairs per word of codes that `_e2m1_dots` takes
     ([BLOCK_K / 8] uint32 each, 0 past K): columns (j, j + 4) of each eight, bfloat16x2 times
-    2^100 (`_X_PAIRS_ASM`); with NO_ASM (kernels/asm.py) the bits, unscaled."""
+    2^100 (kernels.asm.bf16_pairs); with NO_ASM the bits, unscaled."""
     at = (k0 // 2 + 4 * tl.arange(0, BLOCK_K // 8))[:, None] + tl.arange(0, 4)[None, :]
     bits = tl.load(x_row.to(tl.pointer_type(tl.uint32)) + at, mask=at < K // 2, other=0)
     x01_45, x23_67 = tl.split(tl.reshape(bits, (BLOCK_K // 8, 2, 2)))
     x01, x45 = tl.split(x01_45)
     x23, x67 = tl.split(x23_67)
-    if NO_ASM:
-        p0, p1 = (x01 & 0xFFFF) | (x45 << 16), (x01 >> 16) | (x45 & 0xFFFF0000)
-        p2, p3 = (x23 & 0xFFFF) | (x67 << 16), (x23 >> 16) | (x67 & 0xFFFF0000)
-    else:
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            _X_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r", [x01, x23, x45, x67], dtype=(tl.uint32,) * 4,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-    return p0, p1, p2, p3
+    return bf16_pairs(x01, x23, x45, x67, not NO_ASM, True)
 
 
 @triton.jit

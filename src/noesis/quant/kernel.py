@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from noesis.kernels.asm import bf16x2_asm, word_aligned
+from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
 
 DECODE_ROWS = 16  # rows 2..DECODE_ROWS share one tuned config (one 16-row tile)
 BATCH_ROWS = 128  # batches up to this many rows take the decode launch; longer ones prefill's
@@ -185,12 +185,7 @@ def _word_dots(words, scale, bias, x, field, BITS: tl.constexpr, D0: tl.constexp
 
 # 4-bit codes against a bfloat16 input in bfloat16x2 arithmetic, where _pair_dots runs it:
 # x's values in pairs (x_j, x_j+4), j = 0..3, one int32 register each (x_j in the low half),
-# shared by the rows a thread holds. From the input's memory (two bfloat16 per int32, $4-$7 the
-# words of x_0..x_7) four byte permutes make them:
-_PAIRS_OF_WORDS_ASM = tl.constexpr("""{
-prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632;
-prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;
-}""")
+# shared by the rows a thread holds: from the input's memory by kernels.asm.bf16_pairs, or
 # from float32 values (bfloat16 values, so exact), one conversion a pair:
 _PAIR_OF_FLOATS_ASM = tl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")
 # Then per word ($1; $2 = -(128 + zero) in both halves, $3-$6 the pairs): one LOP3 makes two
@@ -256,14 +251,7 @@ def _pairs_of_words(x_ptr, k0, words_in, K: tl.constexpr, ASM: tl.constexpr):
     x01_45, x23_67 = tl.split(tl.reshape(bits, (at.shape[0], at.shape[1], 2, 2)))
     x01, x45 = tl.split(x01_45)
     x23, x67 = tl.split(x23_67)
-    if ASM:
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            _PAIRS_OF_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r", [x01, x23, x45, x67],
-            dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
-    else:
-        p0, p1 = (x01 & 0xFFFF) | (x45 << 16), (x01 >> 16) | (x45 & 0xFFFF0000)
-        p2, p3 = (x23 & 0xFFFF) | (x67 << 16), (x23 >> 16) | (x67 & 0xFFFF0000)
-    return p0, p1, p2, p3
+    return bf16_pairs(x01, x23, x45, x67, ASM, False)
 
 
 @triton.jit
