@@ -111,3 +111,33 @@ def test_fused_routing_matches_torch(name, tokens):
     assert weights.dtype == want_weights.dtype
     torch.testing.assert_close(weights, want_weights, rtol=1e-2 if weights.dtype ==
                                torch.bfloat16 else 1e-5, atol=0)  # fmt: skip
+
+
+def _fragments(weight: Mxfp4Weight, gate_up: bool = False):
+    from noesis.kernels.mxfp4_mma import Mxfp4Fragments
+
+    return Mxfp4Fragments.pack(weight.blocks, weight.scales, gate_up=gate_up)
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_fragment_experts_match_the_reference_and_replay(tokens):
+    """The tensor-core MXFP4 GEMV (kernels/mxfp4_mma.py, inline mma.sync) at gpt-oss-20b's
+    shape against dequantize-then-matmul, the committed bfloat16x2 path, and its own graph
+    replay."""
+    x, ids, weights, gate_up, down, activation, up_bias, down_bias = _problem("gpt-oss-20b", tokens)
+    frags = (_fragments(gate_up, gate_up=True), _fragments(down))
+    assert torch.equal(frags[0].dequantize(), gate_up.dequantize())
+    args = (x, ids, weights, *frags, activation, up_bias, down_bias)
+    ours = moe.experts(*args)
+    ref = _reference(x, ids, weights, gate_up, down, activation, up_bias, down_bias)
+    packed = moe.experts(x, ids, weights, gate_up, down, activation, up_bias, down_bias)
+    for other in (ref, packed):
+        err = ((ours.float() - other.float()).norm() / other.float().norm()).item()
+        assert err < 1e-2, err
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe.experts(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, ours)
+

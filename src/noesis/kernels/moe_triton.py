@@ -21,6 +21,11 @@ code in float32. The sorted layout's tiles decode each byte to its even (low) an
 columns, which meet the even and odd columns of x. Values are rounded to the model dtype where
 the PyTorch path rounds them (after each projection, after the activation).
 
+MXFP4 repacked as tensor-core fragments (`mxfp4_mma.Mxfp4Fragments`) runs the decode layout
+through `mxfp4_mma.frag_gemv` (inline mma.sync; 16% less time than the bfloat16x2 GEMV over
+gpt-oss-20b's experts on the H200). The engine does not load experts in that layout yet: the
+sorted layout has no fragment kernel, so `_frag_experts` serves few pairs only.
+
 The decode layout's kernels and the routing take programmatic dependent launch (kernels/pdl.py):
 each launches while the one before it finishes and waits for it before its first read.
 """
@@ -35,11 +40,12 @@ import triton.language as tl
 
 from noesis.kernels import pdl
 from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
+from noesis.kernels.mxfp4_mma import Mxfp4Fragments, frag_asm, frag_gemv
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import _or
 from noesis.weights.mxfp4 import Mxfp4Weight
 
-Weight = torch.Tensor | Mxfp4Weight
+Weight = torch.Tensor | Mxfp4Weight | Mxfp4Fragments
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,10 @@ class Tiles:
 GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(8, 256, 4)),
               True: (Tiles(32, 512, 4), Tiles(16, 1024, 2))}  # fmt: skip
 SORTED = Tiles(64, 64, 4)
+# The fragment-layout MXFP4 GEMV (mxfp4_mma): (tiles of 16 rows a program, warps sharing a
+# tile's chunks, chunks of 64 columns a warp's iteration) for gate_up and down; the best of
+# `benchmarks/mxfp4_fragments.py --tiles` on the H200 (RESULTS.md, seventeenth session).
+FRAG_TILES = ((1, 4, 2), (1, 4, 2))
 # Warps of the routing kernel: one program a token, whose k passes each reduce over the experts
 # twice. On one warp the reductions are register shuffles; on Triton's default of 4 they also
 # cross warps through shared memory (sm_90 PTX at 128 experts and top 8: 53 barriers against 0).
@@ -104,6 +114,10 @@ def experts(
     glu["CLAMP"] = limit is not None
     act = torch.empty(tokens * top_k, down.shape[2], dtype=x.dtype, device=x.device)  # [P, I]
     run = _gemv_experts if uses_gemv(tokens * top_k, gate_up.shape[0], top_k) else _sorted_experts
+    if run is _sorted_experts and isinstance(gate_up, Mxfp4Fragments):
+        raise ValueError(f"MXFP4 fragments serve up to {max(top_k, gate_up.shape[0] // 4)} "
+                         f"(token, expert) pairs, not {tokens * top_k}: the sorted layout "
+                         "reads the stored MXFP4 layout")  # fmt: skip
     partial = run(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
     return _sum_slots(partial, tokens, top_k, x.dtype, residual)
 
@@ -154,6 +168,8 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
     x = word_aligned(x)
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
+    if isinstance(gate_up, Mxfp4Fragments):
+        return _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
     tiles = GEMV_TILES[isinstance(gate_up, Mxfp4Weight)][0]
     _gemv_gate_up[(tokens * top_k, triton.cdiv(inner, tiles.block_n))](
         x, ids, *_operands(gate_up, words=True), _or(gate_up_bias, x), act, glu["limit"],
@@ -170,6 +186,29 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
         H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
         HAS_BIAS=down_bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         NO_ASM=not bf16x2_asm(x.device), num_warps=tiles.num_warps, **pdl.pdl_launch(x),
+    )  # fmt: skip
+    return partial
+
+
+def _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
+    if x.dtype != torch.bfloat16 or not isinstance(down, Mxfp4Fragments):
+        raise ValueError("MXFP4 fragments take a bfloat16 x and both projections as fragments")
+    tokens, top_k = ids.shape
+    hidden, inner = x.shape[1], act.shape[1]
+    no_asm = not frag_asm(x)
+    tiles, split, chunks = FRAG_TILES[0]
+    _frag_gate_up[(tokens * top_k, triton.cdiv(gate_up.tiles, tiles))](
+        x, ids, gate_up.words, gate_up.scales, _or(gate_up_bias, x), act, glu["limit"],
+        glu["alpha"], TOP_K=top_k, H=hidden, I=inner, NT=gate_up.tiles, KC=gate_up.chunks,
+        HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"], WARPS=tiles, KSPLIT=split,
+        CH=chunks, NO_ASM=no_asm, num_warps=tiles * split, **pdl.pdl_launch(x),
+    )  # fmt: skip
+    tiles, split, chunks = FRAG_TILES[1]
+    partial = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    _frag_down[(tokens * top_k, triton.cdiv(down.tiles, tiles))](
+        act, ids, weights, down.words, down.scales, _or(down_bias, x), partial, H=hidden,
+        I=inner, NT=down.tiles, KC=down.chunks, HAS_BIAS=down_bias is not None, WARPS=tiles,
+        KSPLIT=split, CH=chunks, NO_ASM=no_asm, num_warps=tiles * split, **pdl.pdl_launch(x),
     )  # fmt: skip
     return partial
 
@@ -234,6 +273,8 @@ def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
         raise ValueError(f"ids {list(ids.shape)} and weights {list(weights.shape)} must both "
                          f"be [{x.shape[0]}, k]")  # fmt: skip
     for name, tensor in (("gate_up", gate_up), ("down", down)):
+        if isinstance(tensor, Mxfp4Fragments):
+            continue  # built contiguous by Mxfp4Fragments.pack
         if isinstance(tensor, Mxfp4Weight):
             if not (tensor.blocks.is_contiguous() and tensor.scales.is_contiguous()):
                 raise ValueError(f"{name}'s MXFP4 blocks and scales must be contiguous")
@@ -345,6 +386,75 @@ def _gemv_down(
     y = y.to(act_ptr.dtype.element_ty).to(tl.float32)
     y *= tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair.to(tl.int64) * H + cols, y, mask=col_ok)
+
+
+@triton.jit
+def _frag_gate_up(
+    x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, limit, alpha,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr,
+    CH: tl.constexpr, NO_ASM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T) over fragment-layout weights, WARPS
+    tiles a program, whose rows g and g + 8 are gate and up of column 8T + g."""
+    if PDL:
+        gdc_wait()  # the expert ids
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * H
+    tile0 = tl.program_id(1) * WARPS
+    gate, up = frag_gemv(x_row, w_ptr, s_ptr, expert, tile0, NT, KC, H, WARPS, KSPLIT, CH,
+                         NO_ASM)  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+    m = tl.arange(0, WARPS * 32)
+    cols = (tile0 + m // 32) * 8 + (m % 32) // 4
+    ok = (m % 4 == 0) & (cols < I)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + expert * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + expert * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = act_ptr.dtype.element_ty
+    hidden = _glu(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), limit, alpha, CLAMP)
+    tl.store(act_ptr + pair.to(tl.int64) * I + cols, hidden.to(dtype), mask=ok)
+
+
+@triton.jit
+def _frag_down(
+    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
+    H: tl.constexpr, I: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr, CH: tl.constexpr,
+    NO_ASM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out[p, rows] = weight[p] * (act[p] @ down[ids[p]].T) in float32 over fragment-layout
+    weights (_sum_slots_kernel adds a token's k pairs)."""
+    if PDL:
+        gdc_wait()  # the activations
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    act_row = act_ptr + pair.to(tl.int64) * I
+    tile0 = tl.program_id(1) * WARPS
+    y_g, y_h = frag_gemv(act_row, w_ptr, s_ptr, expert, tile0, NT, KC, I, WARPS, KSPLIT, CH,
+                         NO_ASM)  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+    m = tl.arange(0, WARPS * 32)
+    rows = (tile0 + m // 32) * 16 + (m % 32) // 4
+    weight = tl.load(weights_ptr + pair).to(tl.float32)
+    out = out_ptr + pair.to(tl.int64) * H
+    bias = bias_ptr + expert * H
+    ok = m % 4 == 0
+    _frag_down_rows(y_g, rows, ok, bias, weight, out, act_ptr, H, HAS_BIAS)
+    _frag_down_rows(y_h, rows + 8, ok, bias, weight, out, act_ptr, H, HAS_BIAS)
+
+
+@triton.jit
+def _frag_down_rows(y, rows, ok, bias, weight, out, act_ptr, H: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
+    ok = ok & (rows < H)
+    if HAS_BIAS:
+        y += tl.load(bias + rows, mask=ok, other=0.0).to(tl.float32)
+    y = y.to(act_ptr.dtype.element_ty).to(tl.float32) * weight
+    tl.store(out + rows, y, mask=ok)
 
 
 @triton.jit
