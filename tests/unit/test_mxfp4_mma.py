@@ -19,10 +19,10 @@ import triton  # noqa: E402  (after TRITON_INTERPRET)
 import triton.language as tl  # noqa: E402
 
 from noesis.kernels import moe_triton  # noqa: E402
+from noesis.kernels.asm import bf16x2_asm  # noqa: E402
 from noesis.kernels.mxfp4_mma import (  # noqa: E402
     Mxfp4Fragments,
     bits_of,
-    frag_asm,
     frag_gemv,
     from_fragments,
     gate_up_rows,
@@ -112,7 +112,7 @@ def test_frag_gemv_sums_each_row_against_x(rows, cols, tiles):
         _sums_kernel[(triton.cdiv(fragments.tiles, warps),)](
             x, fragments.words, fragments.scales, out, 1, NT=fragments.tiles,
             KC=fragments.chunks, K=cols, WARPS=warps, KSPLIT=split, CH=chunks,
-            NO_ASM=not frag_asm(x), num_warps=warps * split,
+            NO_ASM=not bf16x2_asm(x.device), num_warps=warps * split,
         )  # fmt: skip
         ref = weight.dequantize()[1].double() @ x.double()
         assert torch.allclose(out[:rows].double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())

@@ -1,7 +1,8 @@
 """Where the Triton kernels may run inline PTX: not under Triton's CPU interpreter (which runs no
 assembly), and, for the bfloat16x2 arithmetic the 4-bit decode GEMVs use (quant/kernel.py's
-`_pair_dots`, moe_triton.py's `_e2m1_dots`), only on compute capability 8.0 and later. Where it
-may not, those kernels compute the same sums in float32 Triton operations."""
+`_pair_dots`, moe_triton.py's `_e2m1_dots`) and mxfp4_mma.py's bfloat16 mma.sync, only on
+compute capability 8.0 and later. Where it may not, those kernels compute the same sums in
+float32 Triton operations."""
 
 from __future__ import annotations
 

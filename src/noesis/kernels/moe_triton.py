@@ -40,7 +40,7 @@ import triton.language as tl
 
 from noesis.kernels import pdl
 from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
-from noesis.kernels.mxfp4_mma import Mxfp4Fragments, frag_asm, frag_gemv
+from noesis.kernels.mxfp4_mma import Mxfp4Fragments, frag_gemv
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import _or
 from noesis.weights.mxfp4 import Mxfp4Weight
@@ -195,7 +195,7 @@ def _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
         raise ValueError("MXFP4 fragments take a bfloat16 x and both projections as fragments")
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
-    no_asm = not frag_asm(x)
+    no_asm = not bf16x2_asm(x.device)  # the same condition: sm_80 on, not interpreted
     tiles, split, chunks = FRAG_TILES[0]
     _frag_gate_up[(tokens * top_k, triton.cdiv(gate_up.tiles, tiles))](
         x, ids, gate_up.words, gate_up.scales, _or(gate_up_bias, x), act, glu["limit"],

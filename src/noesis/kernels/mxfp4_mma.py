@@ -35,8 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from noesis.kernels.asm import INTERPRET
-
 ROWS = 16  # rows per fragment tile
 CHUNK = 64  # columns per chunk (four mma's of 16)
 SIGN_ROT = (0, 1, 2, 6)
@@ -350,8 +348,3 @@ def _scale(sw, BYTE: tl.constexpr):
     """Exponent byte BYTE of a scale word as float32 2^(e - 127)."""
     return (((sw >> (8 * BYTE)) & 255) << 23).to(tl.float32, bitcast=True)
 
-
-def frag_asm(x: torch.Tensor) -> bool:
-    """Whether frag_gemv may run its mma inline PTX for x: compute capability 8.0 on, not under
-    the interpreter."""
-    return x.is_cuda and not INTERPRET and torch.cuda.get_device_capability(x.device) >= (8, 0)
