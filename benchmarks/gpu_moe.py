@@ -102,6 +102,8 @@ def build_layer(shape: Shape, device: str):
         )
     theirs = HfBlock(hf_config).to(device=device, dtype=_dtype(device))
     _copy_to_hf(ours, theirs, shape, device)
+    if shape.mxfp4 and device == "cuda":
+        ours.experts.use_fragments()  # as a CUDA load repacks them
     del transformers
     return ours.eval(), theirs.eval()
 
@@ -163,7 +165,8 @@ def expert_bytes_read(block, x: torch.Tensor) -> int:
     from noesis.kernels import moe as moe_ops
 
     _, ids = moe_ops.route(block.router(x), block.top_k, block.routing, block.renormalize)
-    per_expert = sum(p[0].nbytes for p in block.experts.parameters())
+    tensors = [*block.experts.parameters(), *block.experts.buffers()]  # buffers: MXFP4 fragments
+    per_expert = sum(p[0].nbytes for p in tensors)
     return int(ids.unique().numel()) * per_expert
 
 

@@ -11,8 +11,9 @@ bandwidth measured in the same run.
     python benchmarks/gpu_moe_model.py --shape gpt-oss-20b --json out.json
     python benchmarks/gpu_moe_model.py --shape qwen3-30b-a3b --layers 24 --json out.json
 
---old-moe FILE adds a batch-1 row with the experts kernels of another moe_triton.py (a previous
-commit's), the same call's "before" for a kernel change.
+--old-moe FILE adds rows with the experts kernels of another moe_triton.py (a previous
+commit's), the same call's "before" for a kernel change; one from before the fragment layout
+(kernels/mxfp4_mma.py) runs on MXFP4 experts left in the stored layout.
 
 --layers keeps the real widths with fewer layers (the full Qwen3-30B-A3B, 61 GB in bf16, does
 not fit the lent machine's disk beside anything else); the table says how many ran.
@@ -85,7 +86,8 @@ def main() -> None:
                                            one_row_fusion=False)  # fmt: skip
         release_memory()
     if args.old_moe:
-        report["noesis_old_moe"] = guarded(_with_old_experts, args.old_moe, path, bandwidth)
+        report["noesis_old_moe"] = guarded(_with_old_experts, args.old_moe, path, bandwidth,
+                                           batches)  # fmt: skip
         report["old_moe"] = str(args.old_moe)
         release_memory()
     args.json.write_text(json.dumps(report, indent=1))
@@ -95,19 +97,22 @@ def main() -> None:
     print_table(report)
 
 
-def _with_old_experts(module_path: Path, path: Path, bandwidth: float) -> dict:
-    """bench_noesis at batch 1 with noesis.kernels.moe_triton swapped for another file's (the
+def _with_old_experts(module_path: Path, path: Path, bandwidth: float, batches) -> dict:
+    """bench_noesis with noesis.kernels.moe_triton swapped for another file's (the
     engine looks the module up on the package at each call)."""
     from moe_gemv_sweep import load_module
 
     import noesis.kernels as kernels
+    from noesis.weights import mxfp4
 
-    saved = kernels.moe_triton
+    saved = kernels.moe_triton, mxfp4.fragment_experts
     kernels.moe_triton = load_module(module_path)
+    if not hasattr(kernels.moe_triton, "frag_gemv"):  # from before the fragment layout
+        mxfp4.fragment_experts = lambda model: 0  # experts stay in the stored layout
     try:
-        return bench_noesis(path, bandwidth, [1])
+        return bench_noesis(path, bandwidth, batches)
     finally:
-        kernels.moe_triton = saved
+        kernels.moe_triton, mxfp4.fragment_experts = saved
 
 
 def write_checkpoint(out: Path, shape: str, layers: int | None, device: str = "cuda", **sizes):
@@ -169,7 +174,9 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int], **options) ->
     config = engine.loaded.config
     moe = config.moe
     dense = expert = 0
-    for name, param in engine.loaded.model.named_parameters():
+    model = engine.loaded.model
+    expert_buffers = [(n, b) for n, b in model.named_buffers() if ".experts." in n]
+    for name, param in [*model.named_parameters(), *expert_buffers]:  # buffers: MXFP4 fragments
         if ".experts." in name:
             expert += param[0].nbytes  # one expert of each layer's stacked tensors
         elif "embed" not in name:

@@ -32,7 +32,8 @@ from gpu_moe import (  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old", type=Path, help="a moe_triton.py to time as 'old'")
+    parser.add_argument("--old", type=Path, help="a moe_triton.py to time as 'old' (one that "
+                        "reads MXFP4 as fragments, as the layers hold them)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--iters", type=int, default=100)
@@ -93,12 +94,12 @@ def _variants(mxfp4: bool, old, sweep_tiles: str | None):
     def patch(experts=moe_triton, route=moe_ops.route, tiles=None, sorted_tiles=None,
               route_warps=1):
         def setup():
-            saved = (kernels.moe_triton, moe_ops.route, dict(moe_triton.GEMV_TILES),
+            saved = (kernels.moe_triton, moe_ops.route, moe_triton.GEMV_TILES,
                      moe_triton.SORTED, moe_triton.ROUTE_WARPS)  # fmt: skip
             kernels.moe_triton, moe_ops.route = experts, route
             moe_triton.ROUTE_WARPS = route_warps
             if tiles is not None:
-                moe_triton.GEMV_TILES = {**saved[2], mxfp4: (Tiles(*tiles[0]), Tiles(*tiles[1]))}
+                moe_triton.GEMV_TILES = (Tiles(*tiles[0]), Tiles(*tiles[1]))
             if sorted_tiles is not None:
                 moe_triton.SORTED = Tiles(*sorted_tiles)
 
@@ -122,15 +123,10 @@ def _variants(mxfp4: bool, old, sweep_tiles: str | None):
                 for warps in (4, 8):
                     tiles = (block_n, block_k, warps)
                     yield f"sorted tiles {tiles}", patch(sorted_tiles=tiles)
-    if sweep_tiles != "gemv":
+    if sweep_tiles != "gemv" or mxfp4:  # MXFP4's FRAG_TILES: mxfp4_fragments.py --tiles
         return
-    if mxfp4:
-        ups = [(32, 512, 4), (16, 512, 4), (32, 256, 4), (64, 512, 4), (32, 512, 8), (64, 512, 8),
-               (32, 1024, 8), (64, 256, 8)]
-        downs = [(16, 1024, 2), (16, 1024, 4), (32, 1024, 4), (32, 1024, 8), (16, 512, 2)]
-    else:
-        ups = [(16, 256, 4), (8, 256, 4), (16, 256, 2), (16, 512, 4)]
-        downs = [(8, 256, 4), (16, 256, 4), (8, 256, 2), (8, 512, 4)]
+    ups = [(16, 256, 4), (8, 256, 4), (16, 256, 2), (16, 512, 4)]
+    downs = [(8, 256, 4), (16, 256, 4), (8, 256, 2), (8, 512, 4)]
     for up in ups:
         for down in downs:
             yield f"tiles gate_up {up}, down {down}", patch(tiles=(up, down))

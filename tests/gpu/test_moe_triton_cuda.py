@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from noesis.kernels import moe, moe_triton
-from noesis.weights.mxfp4 import Mxfp4Weight
+from noesis.weights.mxfp4 import Mxfp4Fragments, Mxfp4Weight
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,26 +26,26 @@ def _problem(name: str, tokens: int, dtype=torch.bfloat16):
     experts, top_k, hidden, inner, mxfp4, limit, biases = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(tokens)
 
-    def weight(rows, cols):
+    def weight(rows, cols, gate_up=False):  # MXFP4: as the load repacks it
         if not mxfp4:
             return torch.randn(experts, rows, cols, device="cuda", generator=gen).to(dtype) * 0.02
         blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8,
                                device="cuda", generator=gen)  # fmt: skip
         scales = torch.randint(119, 123, (experts, rows, cols // 32), dtype=torch.uint8,
                                device="cuda", generator=gen)  # fmt: skip
-        return Mxfp4Weight(blocks, scales)
+        return Mxfp4Fragments.pack(blocks, scales, gate_up=gate_up)
 
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dtype)
     logits = torch.randn(tokens, experts, device="cuda", generator=gen)
     weights, ids = moe.route(logits, top_k, "topk_softmax", False)
     bias = (lambda n: torch.randn(experts, n, device="cuda", generator=gen).to(dtype) * 0.1
             ) if biases else (lambda n: None)  # fmt: skip
-    return (x, ids, weights, weight(2 * inner, hidden), weight(hidden, inner),
+    return (x, ids, weights, weight(2 * inner, hidden, gate_up=True), weight(hidden, inner),
             moe.Activation(limit), bias(2 * inner), bias(hidden))  # fmt: skip
 
 
 def _reference(x, ids, weights, gate_up, down, activation, up_bias, down_bias):
-    dense = [w.dequantize(x.dtype) if isinstance(w, Mxfp4Weight) else w for w in (gate_up, down)]
+    dense = [w.dequantize(x.dtype) if isinstance(w, Mxfp4Fragments) else w for w in (gate_up, down)]
     return moe.grouped(x, ids, weights, *dense, activation, up_bias, down_bias)
 
 
@@ -113,31 +113,30 @@ def test_fused_routing_matches_torch(name, tokens):
                                torch.bfloat16 else 1e-5, atol=0)  # fmt: skip
 
 
-def _fragments(weight: Mxfp4Weight, gate_up: bool = False):
-    from noesis.kernels.mxfp4_mma import Mxfp4Fragments
 
-    return Mxfp4Fragments.pack(weight.blocks, weight.scales, gate_up=gate_up)
-
-
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_fragment_experts_match_the_reference_and_replay(tokens):
-    """The tensor-core MXFP4 GEMV (kernels/mxfp4_mma.py, inline mma.sync) at gpt-oss-20b's
-    shape against dequantize-then-matmul, the committed bfloat16x2 path, and its own graph
-    replay."""
-    x, ids, weights, gate_up, down, activation, up_bias, down_bias = _problem("gpt-oss-20b", tokens)
-    frags = (_fragments(gate_up, gate_up=True), _fragments(down))
-    assert torch.equal(frags[0].dequantize(), gate_up.dequantize())
-    args = (x, ids, weights, *frags, activation, up_bias, down_bias)
+@pytest.mark.parametrize("tokens", [1, 2, 64, 300])  # the GEMV layout, then the sorted one
+def test_fragments_hold_the_stored_experts_and_replay(tokens):
+    """gpt-oss-20b's experts as the checkpoint stores them, repacked: the fragments dequantize
+    to the same values, and the experts over them equal dequantize-then-matmul, also from a
+    graph replay."""
+    experts, _, hidden, inner = SHAPES["gpt-oss-20b"][:4]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    blocks = torch.randint(0, 256, (experts, 2 * inner, hidden // 32, 16), dtype=torch.uint8,
+                           device="cuda", generator=gen)  # fmt: skip
+    scales = torch.randint(119, 123, blocks.shape[:3], dtype=torch.uint8, device="cuda",
+                           generator=gen)  # fmt: skip
+    stored = Mxfp4Weight(blocks, scales)
+    packed = Mxfp4Fragments.pack(blocks, scales, gate_up=True)
+    assert torch.equal(packed.dequantize(), stored.dequantize())
+    x, ids, weights, _, down, activation, up_bias, down_bias = _problem("gpt-oss-20b", tokens)
+    args = (x, ids, weights, packed, down, activation, up_bias, down_bias)
     ours = moe.experts(*args)
-    ref = _reference(x, ids, weights, gate_up, down, activation, up_bias, down_bias)
-    packed = moe.experts(x, ids, weights, gate_up, down, activation, up_bias, down_bias)
-    for other in (ref, packed):
-        err = ((ours.float() - other.float()).norm() / other.float().norm()).item()
-        assert err < 1e-2, err
+    ref = _reference(*args)
+    err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 1e-2, err
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = moe.experts(*args)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, ours)
-

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from noesis.kernels import moe, moe_triton  # noqa: E402
-from noesis.weights.mxfp4 import Mxfp4Weight  # noqa: E402
+from noesis.weights.mxfp4 import Mxfp4Fragments, Mxfp4Weight  # noqa: E402
 
 EXPERTS, HIDDEN, INNER = 8, 32, 32
 
@@ -23,20 +23,21 @@ EXPERTS, HIDDEN, INNER = 8, 32, 32
 def small_tiles(monkeypatch):
     """Tiles the size of the problem: the interpreter's cost is the elements it touches."""
     tiles = (moe_triton.Tiles(16, 64, 4), moe_triton.Tiles(32, 32, 4))
-    monkeypatch.setattr(moe_triton, "GEMV_TILES", {False: tiles, True: tiles})
+    monkeypatch.setattr(moe_triton, "GEMV_TILES", tiles)
+    monkeypatch.setattr(moe_triton, "FRAG_SORTED_TILES", (2, 2))
     monkeypatch.setattr(moe_triton, "SORTED", moe_triton.Tiles(16, 32, 4))
 
 
 def _problem(tokens, top_k, mxfp4, biases, dtype=torch.float32):
     gen = torch.Generator().manual_seed(tokens * 10 + top_k)
 
-    def weight(rows, cols):
+    def weight(rows, cols, gate_up=False):  # MXFP4: as the CUDA load repacks it
         if mxfp4:
             blocks = torch.randint(0, 256, (EXPERTS, rows, cols // 32, 16), dtype=torch.uint8,
                                    generator=gen)  # fmt: skip
             scales = torch.randint(120, 125, (EXPERTS, rows, cols // 32), dtype=torch.uint8,
                                    generator=gen)  # fmt: skip
-            return Mxfp4Weight(blocks, scales)
+            return Mxfp4Fragments.pack(blocks, scales, gate_up=gate_up)
         return (torch.randn(EXPERTS, rows, cols, generator=gen) * 0.2).to(dtype)
 
     x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
@@ -44,7 +45,8 @@ def _problem(tokens, top_k, mxfp4, biases, dtype=torch.float32):
     weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
     up_bias = torch.randn(EXPERTS, 2 * INNER, generator=gen).to(dtype) if biases else None
     down_bias = torch.randn(EXPERTS, HIDDEN, generator=gen).to(dtype) if biases else None
-    return x, ids, weights, weight(2 * INNER, HIDDEN), weight(HIDDEN, INNER), up_bias, down_bias
+    gate_up, down = weight(2 * INNER, HIDDEN, gate_up=True), weight(HIDDEN, INNER)
+    return x, ids, weights, gate_up, down, up_bias, down_bias
 
 
 def _compare(tokens, top_k, mxfp4, biases, limit, dtype=torch.float32, tol=1e-5):
@@ -117,6 +119,14 @@ def test_packed_experts_refuse_the_cpu_path():
         moe.experts(x, ids, weights, gate_up, down, moe.Activation())
 
 
+def test_stored_mxfp4_must_be_repacked_for_the_kernels():
+    x, ids, weights, _, down, _, _ = _problem(1, 2, True, False)
+    blocks = torch.zeros(EXPERTS, 2 * INNER, HIDDEN // 32, 16, dtype=torch.uint8)
+    stored = Mxfp4Weight(blocks, torch.full(blocks.shape[:3], 127, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="Mxfp4Fragments.pack"):
+        moe_triton.experts(x, ids, weights, stored, down, None, 1.702)
+
+
 def test_mxfp4_experts_load_packed_and_info_prices_them(checkpoints, tmp_path):
     """What a CUDA load does, on the CPU: packed parameters filled straight from the checkpoint
     (gate / up de-interleaved) dequantize to what the default load holds; `noesis info` prices
@@ -140,6 +150,12 @@ def test_mxfp4_experts_load_packed_and_info_prices_them(checkpoints, tmp_path):
     for ours, default in pairs:
         assert ours.gate_up_proj_blocks.dtype == torch.uint8
         for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(ours._projection(name).dequantize(), getattr(default, name))
+    assert mxfp4.fragment_experts(model) == len(pairs)  # what the CUDA load does next
+    for ours, default in pairs:
+        assert not hasattr(ours, "gate_up_proj_blocks")
+        for name in ("gate_up_proj", "down_proj"):
+            assert isinstance(ours._projection(name), Mxfp4Fragments)
             assert torch.equal(ours._projection(name).dequantize(), getattr(default, name))
     info = describe_checkpoint(packed_dir)
     assert "dequantized" in info["weights in memory"] and "packed" in info["mxfp4 experts"]

@@ -20,15 +20,16 @@ import triton.language as tl  # noqa: E402
 
 from noesis.kernels import moe_triton  # noqa: E402
 from noesis.kernels.asm import bf16x2_asm  # noqa: E402
-from noesis.kernels.mxfp4_mma import (  # noqa: E402
+from noesis.kernels.mxfp4_mma import frag_gemv  # noqa: E402
+from noesis.weights.mxfp4 import (  # noqa: E402
     Mxfp4Fragments,
+    Mxfp4Weight,
     bits_of,
-    frag_gemv,
+    dequantize_mxfp4,
     from_fragments,
     gate_up_rows,
     to_fragments,
 )
-from noesis.weights.mxfp4 import Mxfp4Weight, dequantize_mxfp4  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -164,22 +165,28 @@ def test_the_fragment_experts_compute_gpt_oss_experts(biases, tiles, monkeypatch
     assert (ours - ref).abs().max().item() < 4e-2 * scale, ((ours - ref).abs().max(), scale)
 
 
-def test_fragments_need_a_bfloat16_x_and_both_projections():
-    weight = _mxfp4(2, 64, 32)
-    fragments = Mxfp4Fragments.pack(weight.blocks, weight.scales, gate_up=True)
-    down = _mxfp4(2, 32, 32)
-    one = torch.ones(1, 1, device=DEVICE)
-    with pytest.raises(ValueError, match="bfloat16"):
-        moe_triton.experts(torch.randn(1, 32, device=DEVICE), one.long() * 0, one, fragments, down,
-                           7.0, 1.702)  # fmt: skip
+@pytest.mark.parametrize("tokens, top_k, dtype", [(5, 4, torch.float32), (1, 2, torch.float32),
+                                                  (3, 4, torch.float16)])  # fmt: skip
+def test_the_sorted_layout_reads_fragments(tokens, top_k, dtype, monkeypatch):
+    """More pairs than the GEMV layout takes, or an x the mma cannot multiply (float32 and
+    float16 here): pairs sorted by expert, tl.dot over tiles decoded from the words."""
+    from noesis.kernels import moe
 
-
-def test_fragments_refuse_the_sorted_layout():
-    gate_up = _mxfp4(4, 64, 32)
-    down = _mxfp4(4, 32, 32)
+    monkeypatch.setattr(moe_triton, "FRAG_SORTED_TILES", (2, 2))
+    experts, hidden, inner = 8, 96, 64
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up, down = _mxfp4(experts, 2 * inner, hidden, seed=4), _mxfp4(experts, hidden, inner, 5)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), -1)
+    gate_bias = (torch.randn(experts, 2 * inner, generator=gen) * 0.5).to(dtype).to(DEVICE)
+    down_bias = (torch.randn(experts, hidden, generator=gen) * 0.5).to(dtype).to(DEVICE)
+    ids, weights = ids.to(DEVICE), weights.to(DEVICE)
     frags = (Mxfp4Fragments.pack(gate_up.blocks, gate_up.scales, gate_up=True),
              Mxfp4Fragments.pack(down.blocks, down.scales))  # fmt: skip
-    x = torch.randn(3, 32, device=DEVICE).bfloat16()
-    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], device=DEVICE)
-    with pytest.raises(ValueError, match="pairs"):
-        moe_triton.experts(x, ids, torch.ones(3, 2, device=DEVICE), *frags, 7.0, 1.702)
+    ours = moe_triton.experts(x, ids, weights, *frags, 7.0, 1.702, gate_bias, down_bias)
+    dense = [w.dequantize(dtype) for w in (gate_up, down)]
+    ref = moe.gathered(x, ids, weights, *dense, moe.Activation(7.0), gate_bias, down_bias)
+    scale = ref.float().abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (ours.float() - ref.float()).abs().max().item() <= tol * scale

@@ -149,6 +149,8 @@ def load_model(
         bytes_read = load_gguf_weights(module, config, gguf, progress=progress, clock=clock)
     else:
         bytes_read = load_weights(module, config, model_dir, progress=progress, clock=clock)
+    if config.moe is not None and config.moe.mxfp4 and mxfp4.keeps_packed(device):
+        mxfp4.fragment_experts(module)  # the layout the experts kernels read
     module.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the copies are done: place_s is the whole placement

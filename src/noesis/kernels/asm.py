@@ -1,6 +1,6 @@
 """Where the Triton kernels may run inline PTX: not under Triton's CPU interpreter (which runs no
 assembly), and, for the bfloat16x2 arithmetic the 4-bit decode GEMVs use (quant/kernel.py's
-`_pair_dots`, moe_triton.py's `_e2m1_dots`) and mxfp4_mma.py's bfloat16 mma.sync, only on
+`_pair_dots`) and mxfp4_mma.py's bfloat16 mma.sync, only on
 compute capability 8.0 and later. Where it may not, those kernels compute the same sums in
 float32 Triton operations."""
 
@@ -35,31 +35,22 @@ def word_aligned(x: torch.Tensor) -> torch.Tensor:
 
 
 # A bfloat16 x's eight columns read as four int32 words ($4-$7: columns (0, 1), (2, 3), (4, 5),
-# (6, 7)) -> the pairs (j, j + 4), j = 0..3, that the 4-bit GEMVs multiply with, column j in the
-# low half: a byte permute each; the scaled form also multiplies each pair by 2^100 (exact: a
-# power of two), which keeps MXFP4's products in bfloat16's normal range.
+# (6, 7)) -> the pairs (j, j + 4), j = 0..3, that the int4 GEMV multiplies with, column j in the
+# low half: a byte permute each.
 _PAIRS_ASM = tl.constexpr("""{
 prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632;
 prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;
 }""")
-_SCALED_PAIRS_ASM = tl.constexpr("""{
-.reg .b32 s, z;
-mov.b32 s, 0x71807180; mov.b32 z, 0x80008000;
-prmt.b32 $0, $4, $6, 0x5410; fma.rn.bf16x2 $0, $0, s, z;
-prmt.b32 $1, $4, $6, 0x7632; fma.rn.bf16x2 $1, $1, s, z;
-prmt.b32 $2, $5, $7, 0x5410; fma.rn.bf16x2 $2, $2, s, z;
-prmt.b32 $3, $5, $7, 0x7632; fma.rn.bf16x2 $3, $3, s, z;
-}""")
 
 
 @triton.jit
-def bf16_pairs(x01, x23, x45, x67, ASM: tl.constexpr, SCALED: tl.constexpr):
+def bf16_pairs(x01, x23, x45, x67, ASM: tl.constexpr):
     """uint32 words of a bfloat16 x's columns (0, 1), (2, 3), (4, 5), (6, 7) -> the pairs
-    (0, 4), (1, 5), (2, 6), (3, 7) as uint32 bfloat16x2, times 2^100 where SCALED. Without ASM
-    (see bf16x2_asm) the same pairs by integer operations, unscaled."""
+    (0, 4), (1, 5), (2, 6), (3, 7) as uint32 bfloat16x2. Without ASM (see bf16x2_asm) the same
+    pairs by integer operations."""
     if ASM:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            _SCALED_PAIRS_ASM if SCALED else _PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r",
+            _PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r",
             [x01, x23, x45, x67], dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
     else:
         p0, p1 = (x01 & 0xFFFF) | (x45 << 16), (x01 >> 16) | (x45 & 0xFFFF0000)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from noesis.weights.mxfp4 import Mxfp4Weight
+from noesis.weights.mxfp4 import Mxfp4Fragments, Mxfp4Weight
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,8 @@ def experts(
     x: torch.Tensor,  # [T, H]
     ids: torch.Tensor,  # [T, k] expert of each (token, slot)
     weights: torch.Tensor,  # [T, k]
-    gate_up: torch.Tensor | Mxfp4Weight,  # [E, 2I, H]
-    down: torch.Tensor | Mxfp4Weight,  # [E, H, I]
+    gate_up: torch.Tensor | Mxfp4Fragments,  # [E, 2I, H]
+    down: torch.Tensor | Mxfp4Fragments,  # [E, H, I]
     activation: Activation,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
     down_bias: torch.Tensor | None = None,  # [E, H]
@@ -82,7 +82,7 @@ def experts(
 
         return moe_triton.experts(x, ids, weights, gate_up, down, activation.limit,
                                   activation.alpha, gate_up_bias, down_bias, residual)  # fmt: skip
-    if isinstance(gate_up, Mxfp4Weight) or isinstance(down, Mxfp4Weight):
+    if any(isinstance(w, Mxfp4Weight | Mxfp4Fragments) for w in (gate_up, down)):
         raise ValueError(f"MXFP4-packed experts run on CUDA only, not {x.device} (other "
                          "devices dequantize them at load)")  # fmt: skip
     out = grouped(x, ids, weights, gate_up, down, activation, gate_up_bias, down_bias)

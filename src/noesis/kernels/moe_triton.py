@@ -1,33 +1,24 @@
 """The routed experts on CUDA in Triton: one launch per projection over all active experts, with
-the weights in the model dtype or MXFP4-packed (dequantized tile by tile inside the K loop).
+the weights in the model dtype or as MXFP4 tensor-core fragments (weights/mxfp4.py's
+`Mxfp4Fragments`, kernels/mxfp4_mma.py; gpt-oss's experts, repacked at load).
 
 Two layouts of the (token, expert) pairs, both free of host syncs and of data-dependent shapes,
 so a CUDA graph captures them:
 - few pairs (decode): each pair is its own row, a GEMV against its expert's weights. gate_up
   and down run over (pair, column block) programs (at batch 1 a token's k experts side by
   side, not one after another); down writes each pair's weighted row in float32 and a small
-  kernel sums the k slots in order.
+  kernel sums the k slots in order. MXFP4 fragments run `mxfp4_mma.frag_gemv` (inline
+  mma.sync) here, for a bfloat16 x; other dtypes take the sorted layout.
 - more pairs: the pairs are sorted by expert on the device into blocks of BLOCK_M rows, each
   expert's rows padded to a whole block in buffers sized for the worst case (as fused-MoE
-  kernels do); each block runs a tiled tl.dot against its one expert. down finishes as in
-  the decode layout.
+  kernels do); each block runs a tiled tl.dot against its one expert (MXFP4 fragments decoded
+  a chunk of 64 columns at a time, `mxfp4_mma.frag_tile`). down finishes as in the decode
+  layout.
 
-MXFP4 (gpt-oss's layout, weights/mxfp4.py): blocks [E, N, K / 32, 16] uint8 hold two E2M1 codes
-per byte (the low nibble first), scales [E, N, K / 32] uint8 biased exponents. The decode
-GEMV reads the same memory as int32 words of eight codes; against a bfloat16 x it sums each
-word's eight products in bfloat16x2 inline PTX, two codes per 32-bit operation (each product and
-partial sum rounded to bfloat16, the word's sum and everything after in float32), otherwise each
-code in float32. The sorted layout's tiles decode each byte to its even (low) and odd (high)
-columns, which meet the even and odd columns of x. Values are rounded to the model dtype where
-the PyTorch path rounds them (after each projection, after the activation).
-
-MXFP4 repacked as tensor-core fragments (`mxfp4_mma.Mxfp4Fragments`) runs the decode layout
-through `mxfp4_mma.frag_gemv` (inline mma.sync; 16% less time than the bfloat16x2 GEMV over
-gpt-oss-20b's experts on the H200). The engine does not load experts in that layout yet: the
-sorted layout has no fragment kernel, so `_frag_experts` serves few pairs only.
-
-The decode layout's kernels and the routing take programmatic dependent launch (kernels/pdl.py):
-each launches while the one before it finishes and waits for it before its first read.
+Values are rounded to the model dtype where the PyTorch path rounds them (after each projection,
+after the activation). The decode layout's kernels and the routing take programmatic dependent
+launch (kernels/pdl.py): each launches while the one before it finishes and waits for it before
+its first read.
 """
 
 from __future__ import annotations
@@ -39,13 +30,13 @@ import triton
 import triton.language as tl
 
 from noesis.kernels import pdl
-from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
-from noesis.kernels.mxfp4_mma import Mxfp4Fragments, frag_gemv
+from noesis.kernels.asm import bf16x2_asm, word_aligned
+from noesis.kernels.mxfp4_mma import frag_gemv, frag_tile
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import _or
-from noesis.weights.mxfp4 import Mxfp4Weight
+from noesis.weights.mxfp4 import Mxfp4Fragments, Mxfp4Weight
 
-Weight = torch.Tensor | Mxfp4Weight | Mxfp4Fragments
+Weight = torch.Tensor | Mxfp4Fragments
 
 
 @dataclass(frozen=True)
@@ -57,18 +48,18 @@ class Tiles:
     num_warps: int
 
 
-# Decode, (gate_up, down) by MXFP4 or not: narrow column blocks, so that even one token's pairs
-# fill the GPU; MXFP4 reads half as many bytes per K tile, so its tiles are longer. The best of
-# sweeps at batch 1 (`benchmarks/moe_gemv_sweep.py --tiles gemv`, RESULTS.md), both on the H200
-# after the bfloat16x2 MXFP4 decode: gpt-oss-20b's down on 2 warps (720 programs of 4 warps,
-# 96 registers, made 1.09 waves; ncu), Qwen3-30B-A3B's down on 8-column blocks.
-GEMV_TILES = {False: (Tiles(16, 256, 4), Tiles(8, 256, 4)),
-              True: (Tiles(32, 512, 4), Tiles(16, 1024, 2))}  # fmt: skip
+# Decode (gate_up, down) in the model dtype: narrow column blocks, so that even one token's pairs
+# fill the GPU. The best of sweeps at batch 1 (`benchmarks/moe_gemv_sweep.py --tiles gemv`,
+# RESULTS.md) on the H200: Qwen3-30B-A3B's down on 8-column blocks.
+GEMV_TILES = (Tiles(16, 256, 4), Tiles(8, 256, 4))
 SORTED = Tiles(64, 64, 4)
 # The fragment-layout MXFP4 GEMV (mxfp4_mma): (tiles of 16 rows a program, warps sharing a
 # tile's chunks, chunks of 64 columns a warp's iteration) for gate_up and down; the best of
 # `benchmarks/mxfp4_fragments.py --tiles` on the H200 (RESULTS.md, seventeenth session).
 FRAG_TILES = ((1, 4, 2), (1, 4, 2))
+# The sorted layout over fragments: tiles of 16 rows a program for gate_up (8 columns of gate
+# and of up each) and down.
+FRAG_SORTED_TILES = (8, 4)
 # Warps of the routing kernel: one program a token, whose k passes each reduce over the experts
 # twice. On one warp the reductions are register shuffles; on Triton's default of 4 they also
 # cross warps through shared memory (sm_90 PTX at 128 experts and top 8: 53 barriers against 0).
@@ -114,10 +105,8 @@ def experts(
     glu["CLAMP"] = limit is not None
     act = torch.empty(tokens * top_k, down.shape[2], dtype=x.dtype, device=x.device)  # [P, I]
     run = _gemv_experts if uses_gemv(tokens * top_k, gate_up.shape[0], top_k) else _sorted_experts
-    if run is _sorted_experts and isinstance(gate_up, Mxfp4Fragments):
-        raise ValueError(f"MXFP4 fragments serve up to {max(top_k, gate_up.shape[0] // 4)} "
-                         f"(token, expert) pairs, not {tokens * top_k}: the sorted layout "
-                         "reads the stored MXFP4 layout")  # fmt: skip
+    if isinstance(gate_up, Mxfp4Fragments) and x.dtype != torch.bfloat16:
+        run = _sorted_experts  # the mma GEMV multiplies bfloat16
     partial = run(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
     return _sum_slots(partial, tokens, top_k, x.dtype, residual)
 
@@ -170,29 +159,24 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
     hidden, inner = x.shape[1], act.shape[1]
     if isinstance(gate_up, Mxfp4Fragments):
         return _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
-    tiles = GEMV_TILES[isinstance(gate_up, Mxfp4Weight)][0]
+    tiles = GEMV_TILES[0]
     _gemv_gate_up[(tokens * top_k, triton.cdiv(inner, tiles.block_n))](
-        x, ids, *_operands(gate_up, words=True), _or(gate_up_bias, x), act, glu["limit"],
-        glu["alpha"],
-        TOP_K=top_k, H=hidden, I=inner, MXFP4=isinstance(gate_up, Mxfp4Weight),
-        HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"], BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, NO_ASM=not bf16x2_asm(x.device), num_warps=tiles.num_warps,
+        x, ids, gate_up, _or(gate_up_bias, x), act, glu["limit"], glu["alpha"], TOP_K=top_k,
+        H=hidden, I=inner, HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"],
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
         **pdl.pdl_launch(x),
     )  # fmt: skip
-    tiles = GEMV_TILES[isinstance(down, Mxfp4Weight)][1]
+    tiles = GEMV_TILES[1]
     partial = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _gemv_down[(tokens * top_k, triton.cdiv(hidden, tiles.block_n))](
-        act, ids, weights, *_operands(down, words=True), _or(down_bias, x), partial,
-        H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
+        act, ids, weights, down, _or(down_bias, x), partial, H=hidden, I=inner,
         HAS_BIAS=down_bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        NO_ASM=not bf16x2_asm(x.device), num_warps=tiles.num_warps, **pdl.pdl_launch(x),
+        num_warps=tiles.num_warps, **pdl.pdl_launch(x),
     )  # fmt: skip
     return partial
 
 
 def _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
-    if x.dtype != torch.bfloat16 or not isinstance(down, Mxfp4Fragments):
-        raise ValueError("MXFP4 fragments take a bfloat16 x and both projections as fragments")
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
     no_asm = not bf16x2_asm(x.device)  # the same condition: sm_80 on, not interpreted
@@ -235,31 +219,47 @@ def _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act
     rows, block_experts = align_by_expert(ids.flatten(), gate_up.shape[0], block_m)
     num_blocks = block_experts.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    if isinstance(gate_up, Mxfp4Fragments):
+        return _frag_sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act,
+                                    glu, rows, block_experts, block_m, precision)  # fmt: skip
     tiles = SORTED
     _sorted_gate_up[(num_blocks, triton.cdiv(inner, tiles.block_n))](
-        x, rows, block_experts, *_operands(gate_up), _or(gate_up_bias, x), act, num_pairs,
-        glu["limit"], glu["alpha"], TOP_K=top_k, H=hidden, I=inner,
-        MXFP4=isinstance(gate_up, Mxfp4Weight), HAS_BIAS=gate_up_bias is not None,
+        x, rows, block_experts, gate_up, _or(gate_up_bias, x), act, num_pairs, glu["limit"],
+        glu["alpha"], TOP_K=top_k, H=hidden, I=inner, HAS_BIAS=gate_up_bias is not None,
         CLAMP=glu["CLAMP"], BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         PRECISION=precision, num_warps=tiles.num_warps,
     )  # fmt: skip
     partial = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _sorted_down[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
-        act, rows, block_experts, weights, *_operands(down), _or(down_bias, x), partial,
-        num_pairs, H=hidden, I=inner, MXFP4=isinstance(down, Mxfp4Weight),
-        HAS_BIAS=down_bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, PRECISION=precision, num_warps=tiles.num_warps,
+        act, rows, block_experts, weights, down, _or(down_bias, x), partial, num_pairs,
+        H=hidden, I=inner, HAS_BIAS=down_bias is not None, BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
+        num_warps=tiles.num_warps,
     )  # fmt: skip
     return partial
 
 
-def _operands(weight: Weight, words: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values or MXFP4 blocks, MXFP4 scales or the values again as an unused pointer); with
-    `words` the blocks as int32 words of eight codes."""
-    if isinstance(weight, Mxfp4Weight):
-        blocks = weight.blocks.view(torch.int32) if words else weight.blocks
-        return blocks, weight.scales
-    return weight, weight
+def _frag_sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu, rows,
+                         block_experts, block_m, precision):  # fmt: skip
+    tokens, top_k = ids.shape
+    hidden, inner = x.shape[1], act.shape[1]
+    num_pairs, num_blocks = tokens * top_k, block_experts.numel()
+    tiles = FRAG_SORTED_TILES[0]
+    _frag_sorted_gate_up[(num_blocks, triton.cdiv(gate_up.tiles, tiles))](
+        x, rows, block_experts, gate_up.words, gate_up.scales, _or(gate_up_bias, x), act,
+        num_pairs, glu["limit"], glu["alpha"], TOP_K=top_k, H=hidden, I=inner, NT=gate_up.tiles,
+        KC=gate_up.chunks, HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"],
+        BLOCK_M=block_m, TILES=tiles, PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    tiles = FRAG_SORTED_TILES[1]
+    partial = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
+    _frag_sorted_down[(num_blocks, triton.cdiv(down.tiles, tiles))](
+        act, rows, block_experts, weights, down.words, down.scales, _or(down_bias, x), partial,
+        num_pairs, H=hidden, I=inner, NT=down.tiles, KC=down.chunks,
+        HAS_BIAS=down_bias is not None, BLOCK_M=block_m, TILES=tiles, PRECISION=precision,
+        num_warps=4,
+    )  # fmt: skip
+    return partial
 
 
 def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
@@ -273,12 +273,12 @@ def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
         raise ValueError(f"ids {list(ids.shape)} and weights {list(weights.shape)} must both "
                          f"be [{x.shape[0]}, k]")  # fmt: skip
     for name, tensor in (("gate_up", gate_up), ("down", down)):
+        if isinstance(tensor, Mxfp4Weight):
+            raise TypeError(f"{name}: MXFP4 experts run as tensor-core fragments on CUDA; "
+                            "repack them with Mxfp4Fragments.pack (a load does)")  # fmt: skip
         if isinstance(tensor, Mxfp4Fragments):
             continue  # built contiguous by Mxfp4Fragments.pack
-        if isinstance(tensor, Mxfp4Weight):
-            if not (tensor.blocks.is_contiguous() and tensor.scales.is_contiguous()):
-                raise ValueError(f"{name}'s MXFP4 blocks and scales must be contiguous")
-        elif tensor.dtype != x.dtype or not tensor.is_contiguous():
+        if tensor.dtype != x.dtype or not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous {x.dtype}, got {tensor.dtype}")
     for name, bias, size in (
         ("gate_up_bias", gate_up_bias, two_inner),
@@ -334,10 +334,9 @@ def _route_kernel(
 
 @triton.jit
 def _gemv_gate_up(
-    x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, limit, alpha,
-    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NO_ASM: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, ids_ptr, w_ptr, bias_ptr, act_ptr, limit, alpha,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T): one pair, BLOCK_N columns of gate and
     the same of up, read as 2 * BLOCK_N interleaved rows (gate, up, gate, ...)."""
@@ -349,8 +348,7 @@ def _gemv_gate_up(
     cols = tl.program_id(1) * BLOCK_N + r // 2
     rows = cols + (r % 2) * I
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * H
-    acc = _gemv(x_row, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4, 2 * BLOCK_N, BLOCK_K,
-                NO_ASM)  # fmt: skip
+    acc = _gemv(x_row, w_ptr, expert, rows, cols < I, 2 * I, H, 2 * BLOCK_N, BLOCK_K)
     if PDL:
         gdc_launch_dependents()
     if HAS_BIAS:
@@ -364,9 +362,9 @@ def _gemv_gate_up(
 
 @triton.jit
 def _gemv_down(
-    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
-    H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NO_ASM: tl.constexpr, PDL: tl.constexpr,
+    act_ptr, ids_ptr, weights_ptr, w_ptr, bias_ptr, out_ptr,
+    H: tl.constexpr, I: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[p, cols] = weight[p] * (act[p] @ down[ids[p]].T) in float32, one pair per program
     (a token's k pairs run side by side; _sum_slots_kernel adds them)."""
@@ -377,8 +375,7 @@ def _gemv_down(
     col_ok = cols < H
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     act_row = act_ptr + pair.to(tl.int64) * I
-    y = _gemv(act_row, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4, BLOCK_N, BLOCK_K,
-              NO_ASM)  # fmt: skip
+    y = _gemv(act_row, w_ptr, expert, cols, col_ok, H, I, BLOCK_N, BLOCK_K)
     if PDL:
         gdc_launch_dependents()
     if HAS_BIAS:
@@ -458,6 +455,91 @@ def _frag_down_rows(y, rows, ok, bias, weight, out, act_ptr, H: tl.constexpr,
 
 
 @triton.jit
+def _frag_sorted_gate_up(
+    x_ptr, rows_ptr, experts_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, num_pairs, limit, alpha,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_sorted_gate_up over fragment-layout weights: one block of BLOCK_M pairs of one expert,
+    TILES tiles (8 columns of gate, the tiles' rows g, and of up, rows g + 8)."""
+    expert = tl.load(experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    tile0 = tl.program_id(1) * TILES
+    x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * H
+    gate, up = _frag_tile_matmul(x_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, H, TILES,
+                                 BLOCK_M, PRECISION)  # fmt: skip
+    cols = tile0 * 8 + tl.arange(0, 8 * TILES)
+    col_ok = cols < I
+    if HAS_BIAS:
+        bias = bias_ptr + expert * 2 * I + cols
+        gate += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = act_ptr.dtype.element_ty
+    hidden = _glu(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), limit, alpha, CLAMP)
+    out = act_ptr + pairs.to(tl.int64)[:, None] * I + cols[None, :]
+    tl.store(out, hidden.to(dtype), mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _frag_sorted_down(
+    act_ptr, rows_ptr, experts_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, num_pairs,
+    H: tl.constexpr, I: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_sorted_down over fragment-layout weights: tile T's rows g and g + 8 are output rows
+    16T + g and 16T + 8 + g."""
+    expert = tl.load(experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    tile0 = tl.program_id(1) * TILES
+    act_rows = act_ptr + pairs.to(tl.int64) * I
+    low, high = _frag_tile_matmul(act_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, I,
+                                  TILES, BLOCK_M, PRECISION)  # fmt: skip
+    r = tl.arange(0, 8 * TILES)
+    rows = (tile0 + r // 8) * 16 + r % 8
+    weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * H
+    bias = bias_ptr + expert * H
+    _frag_down_block(low, rows, pair_ok, weight, out, bias, act_ptr, H, HAS_BIAS)
+    _frag_down_block(high, rows + 8, pair_ok, weight, out, bias, act_ptr, H, HAS_BIAS)
+
+
+@triton.jit
+def _frag_down_block(acc, rows, pair_ok, weight, out, bias, act_ptr, H: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):  # fmt: skip
+    row_ok = rows < H
+    if HAS_BIAS:
+        acc += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    acc = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight
+    tl.store(out + rows[None, :], acc, mask=pair_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _frag_tile_matmul(x_rows, x_ok, w_ptr, s_ptr, expert, tile0, NT: tl.constexpr,
+                      KC: tl.constexpr, K: tl.constexpr, TILES: tl.constexpr,
+                      BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """x[BLOCK_M rows at x_rows] @ fragment tiles tile0 .. tile0 + TILES - 1 -> their rows g and
+    their rows g + 8, [BLOCK_M, 8 TILES] float32 each, a chunk of 64 columns an iteration."""
+    low = tl.zeros((BLOCK_M, 8 * TILES), tl.float32)
+    high = tl.zeros((BLOCK_M, 8 * TILES), tl.float32)
+    for c in range(0, KC):
+        w_low, w_high, cols = frag_tile(w_ptr, s_ptr, expert, tile0, c, NT, KC, TILES)
+        x = tl.load(x_rows[:, None] + cols[None, :], mask=x_ok[:, None] & (cols < K)[None, :],
+                    other=0.0)  # fmt: skip
+        low = tl.dot(x, tl.trans(w_low.to(x.dtype)), low, input_precision=PRECISION)
+        high = tl.dot(x, tl.trans(w_high.to(x.dtype)), high, input_precision=PRECISION)
+    return low, high
+
+
+@triton.jit
 def _sum_slots_kernel(partial_ptr, out_ptr, res_ptr, TOP_K: tl.constexpr, H: tl.constexpr,
                       BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[t, cols] = sum over slots 0 .. k - 1, in order, of partial[t * k + slot, cols], in the
@@ -480,10 +562,10 @@ def _sum_slots_kernel(partial_ptr, out_ptr, res_ptr, TOP_K: tl.constexpr, H: tl.
 
 @triton.jit
 def _sorted_gate_up(
-    x_ptr, rows_ptr, experts_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, num_pairs, limit, alpha,
-    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr, rows_ptr, experts_ptr, w_ptr, bias_ptr, act_ptr, num_pairs, limit, alpha,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One block of BLOCK_M pairs of one expert, BLOCK_N columns of gate and of up."""
     expert = tl.load(experts_ptr + tl.program_id(0))
@@ -496,8 +578,8 @@ def _sorted_gate_up(
     cols = tl.program_id(1) * BLOCK_N + r // 2
     rows = cols + (r % 2) * I
     x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * H
-    acc = _tile_matmul(x_rows, pair_ok, w_ptr, s_ptr, expert, rows, cols < I, 2 * I, H, MXFP4,
-                       BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
+    acc = _tile_matmul(x_rows, pair_ok, w_ptr, expert, rows, cols < I, 2 * I, H, BLOCK_M,
+                       2 * BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * 2 * I + rows, mask=cols < I, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -511,10 +593,9 @@ def _sorted_gate_up(
 
 @triton.jit
 def _sorted_down(
-    act_ptr, rows_ptr, experts_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, num_pairs,
-    H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    act_ptr, rows_ptr, experts_ptr, weights_ptr, w_ptr, bias_ptr, out_ptr, num_pairs,
+    H: tl.constexpr, I: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out[p, cols] = weight[p] * (act[p] @ down[expert].T) in float32, for a block of pairs."""
     expert = tl.load(experts_ptr + tl.program_id(0))
@@ -526,8 +607,8 @@ def _sorted_down(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     act_rows = act_ptr + pairs.to(tl.int64) * I
-    acc = _tile_matmul(act_rows, pair_ok, w_ptr, s_ptr, expert, cols, col_ok, H, I, MXFP4,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
+    acc = _tile_matmul(act_rows, pair_ok, w_ptr, expert, cols, col_ok, H, I, BLOCK_M, BLOCK_N,
+                       BLOCK_K, PRECISION)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * H + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -537,52 +618,19 @@ def _sorted_down(
 
 
 @triton.jit
-def _gemv(x_row, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.constexpr,
-          MXFP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-          NO_ASM: tl.constexpr):  # fmt: skip
-    """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles. MXFP4 reads its codes as
-    int32 words of eight and sums each word's eight code * x: against a bfloat16 x in
-    bfloat16x2 arithmetic, x's columns strided by 8 and paired (`_e2m1_dots`), otherwise each
-    code through `_e2m1` in float32; then each block of 32 products once, scaled once."""
-    # Each iteration issues the next tile's loads (weights, scales and a bfloat16 x's pairs)
-    # before it computes on this one: a plain range loop is not software-pipelined, and
-    # tl.range's pipelining (cp.async, 3 stages) measured slower (RESULTS.md).
-    if MXFP4:
-        PAIRS: tl.constexpr = x_row.dtype.element_ty == tl.bfloat16
-        SHIFT: tl.constexpr = 26 if PAIRS else 14  # what the decode leaves out
-        acc = tl.zeros((ROWS, BLOCK_K // 32), tl.float32)
-        words, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K, 8,
-                                   SHIFT)  # fmt: skip
-        if PAIRS:
-            p0, p1, p2, p3 = _x_pairs(x_row, 0, K, BLOCK_K, NO_ASM)
-        for k0 in range(0, K, BLOCK_K):
-            next_words, next_scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok,
-                                                 k0 + BLOCK_K, N, K, BLOCK_K, 8, SHIFT)  # fmt: skip
-            if PAIRS:
-                n0, n1, n2, n3 = _x_pairs(x_row, k0 + BLOCK_K, K, BLOCK_K, NO_ASM)
-                part = _e2m1_dots(words, p0, p1, p2, p3, NO_ASM)
-                p0, p1, p2, p3 = n0, n1, n2, n3
-            else:
-                cols = k0 + 8 * tl.arange(0, BLOCK_K // 8)
-                part = _e2m1(words & 15) * _x_at(x_row, cols, K)[None, :]
-                for i in tl.static_range(1, 8):
-                    part += _e2m1((words >> (4 * i)) & 15) * _x_at(x_row, cols + i, K)[None, :]
-            acc += tl.sum(tl.reshape(part, (ROWS, BLOCK_K // 32, 4)), axis=2) * scale
-            words, scale = next_words, next_scale
-    else:
-        acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
-        x, w = _plain_tile(x_row, w_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
-            next_x, next_w = _plain_tile(x_row, w_ptr, expert, rows, row_ok, k0 + BLOCK_K, N, K,
-                                         BLOCK_K)  # fmt: skip
-            acc += w.to(tl.float32) * x[None, :]
-            x, w = next_x, next_w
+def _gemv(x_row, w_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.constexpr,
+          ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """W[expert, rows] @ x_row -> [ROWS] float32, K in BLOCK_K tiles."""
+    # Each iteration issues the next tile's loads before it computes on this one: a plain range
+    # loop is not software-pipelined.
+    acc = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    x, w = _plain_tile(x_row, w_ptr, expert, rows, row_ok, 0, N, K, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        next_x, next_w = _plain_tile(x_row, w_ptr, expert, rows, row_ok, k0 + BLOCK_K, N, K,
+                                     BLOCK_K)  # fmt: skip
+        acc += w.to(tl.float32) * x[None, :]
+        x, w = next_x, next_w
     return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _x_at(x_row, cols, K: tl.constexpr):
-    return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -597,125 +645,19 @@ def _plain_tile(x_row, w_ptr, expert, rows, row_ok, k0, N: tl.constexpr, K: tl.c
 
 
 @triton.jit
-def _tile_matmul(x_rows, x_ok, w_ptr, s_ptr, expert, rows, row_ok, N: tl.constexpr,
-                 K: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _tile_matmul(x_rows, x_ok, w_ptr, expert, rows, row_ok, N: tl.constexpr, K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr):  # fmt: skip
     """x[BLOCK_M rows at x_rows] @ W[expert, rows].T -> [BLOCK_M, ROWS] float32."""
     acc = tl.zeros((BLOCK_M, ROWS), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if MXFP4:
-            cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            ok = x_ok[:, None] & (cols < K)[None, :]
-            x_even = tl.load(x_rows[:, None] + cols[None, :], mask=ok, other=0.0)
-            x_odd = tl.load(x_rows[:, None] + cols[None, :] + 1, mask=ok, other=0.0)
-            packed, scale = _mxfp4_load(w_ptr, s_ptr, expert, rows, row_ok, k0, N, K, BLOCK_K)
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // 32, 16)),
-                               (ROWS, BLOCK_K // 2))  # fmt: skip
-            lo = (_e2m1(packed & 15) * scale).to(x_even.dtype)
-            hi = (_e2m1(packed >> 4) * scale).to(x_odd.dtype)
-            acc = tl.dot(x_even, tl.trans(lo), acc, input_precision=PRECISION)
-            acc = tl.dot(x_odd, tl.trans(hi), acc, input_precision=PRECISION)
-        else:
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows[:, None] + cols[None, :],
-                        mask=x_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
-            w = tl.load(w_ptr + expert * N * K + rows[:, None] * K + cols[None, :],
-                        mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows[:, None] + cols[None, :],
+                    mask=x_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + expert * N * K + rows[:, None] * K + cols[None, :],
+                    mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     return acc
-
-
-@triton.jit
-def _mxfp4_load(b_ptr, s_ptr, expert, rows, row_ok, k0, N: tl.constexpr, K: tl.constexpr,
-                BLOCK_K: tl.constexpr, CODES: tl.constexpr = 2,
-                SHIFT: tl.constexpr = 14):  # fmt: skip
-    """Columns k0 .. k0 + BLOCK_K of W[expert, rows]: the codes as stored [ROWS, BLOCK_K / CODES]
-    (uint8 bytes of two, or the same memory as int32 words of eight) and the blocks' scales
-    [ROWS, BLOCK_K / 32] as float32, times 2^SHIFT (what the decode leaves out: 2^14 for
-    `_e2m1`, 2^26 for `_e2m1_dots`)."""
-    PER_ROW: tl.constexpr = K // CODES
-    GROUPS: tl.constexpr = K // 32
-    j = k0 // CODES + tl.arange(0, BLOCK_K // CODES)
-    packed = tl.load(b_ptr + expert * N * PER_ROW + rows[:, None] * PER_ROW + j[None, :],
-                     mask=row_ok[:, None] & (j < PER_ROW)[None, :], other=0)  # fmt: skip
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    exponent = tl.load(s_ptr + expert * N * GROUPS + rows[:, None] * GROUPS + g[None, :],
-                       mask=row_ok[:, None] & (g < GROUPS)[None, :], other=0)  # fmt: skip
-    # 2^(e - 127 + SHIFT) built as a float32's bits: exact for biased exponents e <= 254 - SHIFT
-    scale = ((exponent.to(tl.int32) + SHIFT) << 23).to(tl.float32, bitcast=True)
-    return packed, scale
-
-
-# sum over an int32 word's eight E2M1 codes ($1; code i at bits 4i) of value * x * 2^-26, from
-# x's pairs ($2-$5: columns (j, j + 4) times 2^100, j = 0..3). Each half of a register gets a
-# code's sign at bit 15 and its exponent and mantissa bits at 6-8, which is bfloat16's value *
-# 2^-126, subnormal 0.5 included: codes 3 and 7 sit at the top of the word's halves, and the
-# word moves up 4 bits for each next pair (2 and 6, 1 and 5, 0 and 4). The four pairs' products
-# are summed in a bfloat16x2 tree (each rounded to bfloat16, 2^-9), the halves added in
-# float32. About 23 instructions a word, 2.9 a code, against 5 for the float32 decode.
-_E2M1_DOTS_ASM = tl.constexpr("""{
-.reg .b32 q, t, v0, v1, v2, v3, mh, ms, z, one, lo, hi;
-mov.b32 mh, 0x70007000; mov.b32 ms, 0x80008000; mov.b32 z, 0x80008000; mov.b32 one, 0x3F803F80;
-and.b32 t, $1, mh; shr.b32 t, t, 6; lop3.b32 v3, $1, ms, t, 0xEA;
-shl.b32 q, $1, 4; and.b32 t, q, mh; shr.b32 t, t, 6; lop3.b32 v2, q, ms, t, 0xEA;
-shl.b32 q, $1, 8; and.b32 t, q, mh; shr.b32 t, t, 6; lop3.b32 v1, q, ms, t, 0xEA;
-shl.b32 q, $1, 12; and.b32 t, q, mh; shr.b32 t, t, 6; lop3.b32 v0, q, ms, t, 0xEA;
-fma.rn.bf16x2 v0, v0, $2, z; fma.rn.bf16x2 v0, v1, $3, v0;
-fma.rn.bf16x2 v2, v2, $4, z; fma.rn.bf16x2 v2, v3, $5, v2;
-fma.rn.bf16x2 v0, v0, one, v2;
-shl.b32 lo, v0, 16; and.b32 hi, v0, 0xFFFF0000;
-add.f32 $0, lo, hi;
-}""")
-
-
-@triton.jit
-def _x_pairs(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, NO_ASM: tl.constexpr):
-    """A bfloat16 x's K tile at k0 as the four pairs per word of codes that `_e2m1_dots` takes
-    ([BLOCK_K / 8] uint32 each, 0 past K): columns (j, j + 4) of each eight, bfloat16x2 times
-    2^100 (kernels.asm.bf16_pairs); with NO_ASM the bits, unscaled."""
-    at = (k0 // 2 + 4 * tl.arange(0, BLOCK_K // 8))[:, None] + tl.arange(0, 4)[None, :]
-    bits = tl.load(x_row.to(tl.pointer_type(tl.uint32)) + at, mask=at < K // 2, other=0)
-    x01_45, x23_67 = tl.split(tl.reshape(bits, (BLOCK_K // 8, 2, 2)))
-    x01, x45 = tl.split(x01_45)
-    x23, x67 = tl.split(x23_67)
-    return bf16_pairs(x01, x23, x45, x67, not NO_ASM, True)
-
-
-@triton.jit
-def _e2m1_dots(words, p0, p1, p2, p3, NO_ASM: tl.constexpr):
-    """[ROWS, W] int32 words of eight E2M1 codes, x's pairs [W] (`_x_pairs`) -> per word the sum
-    of value * x * 2^-26, float32: `_E2M1_DOTS_ASM`; with NO_ASM (Triton's interpreter, GPUs
-    before compute capability 8.0) the same sum from the same pairs, each code through `_e2m1`,
-    in float32."""
-    if NO_ASM:
-        sums = ((_e2m1_pair(words, p0[None, :], 0) + _e2m1_pair(words, p1[None, :], 4))
-                + (_e2m1_pair(words, p2[None, :], 8) + _e2m1_pair(words, p3[None, :], 12)))
-        sums = sums * (1.0 / 4096)  # `_e2m1`'s 2^-14 -> 2^-26
-    else:
-        sums = tl.inline_asm_elementwise(
-            _E2M1_DOTS_ASM, "=r,r,r,r,r,r", [words, p0[None, :], p1[None, :], p2[None, :],
-                                             p3[None, :]],
-            dtype=tl.float32, is_pure=True, pack=1,
-        )  # fmt: skip
-    return sums
-
-
-@triton.jit
-def _e2m1_pair(words, pair, SHIFT: tl.constexpr):
-    """value * 2^-14 * x for the codes at bits SHIFT and SHIFT + 16 and their pair's x."""
-    lo = _e2m1((words >> SHIFT) & 15) * (pair << 16).to(tl.float32, bitcast=True)
-    hi = _e2m1((words >> (SHIFT + 16)) & 15) * (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return lo + hi
-
-
-@triton.jit
-def _e2m1(code):
-    """4-bit E2M1 codes (sign, 2 exponent bits, 1 mantissa bit) -> their values * 2^-14 in
-    float32: the code's bits placed under float16's sign, exponent and mantissa make exactly
-    that number, subnormal 0.5 included, in a shift, a mask and a conversion."""
-    c = code.to(tl.int16)
-    bits = ((c & 8) << 12) | ((c & 7) << 9)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit

@@ -1,15 +1,16 @@
 """MXFP4 experts laid out as tensor-core fragments, and the decode GEMV over them.
 
 A GEMV of one token against MXFP4 weights spends its instructions on turning codes into
-numbers: the bfloat16x2 CUDA-core path (`moe_triton._e2m1_dots`) takes about 3.6 a code. Here
-the weights are rearranged once, at load, into the operand registers of the tensor cores'
+numbers: the bfloat16x2 CUDA-core GEMV this replaced took about 3.6 a code. Here the weights are
+rearranged once, at load, into the operand registers of the tensor cores'
 `mma.sync.m16n8k16` (bfloat16 in, float32 out): one int32 word per thread and mma holds the
 thread's eight codes of a 16 x 16 A fragment, with each code's bits placed so that four
 bfloat16x2 registers come out of the word in 11 integer operations (a rotate, a mask, a merge).
 x is the B operand, the same in all eight columns, so every lane's accumulators hold its two
 rows' sums; the products and their sums are float32, each block of 32 codes scaled once.
 
-Layout (`to_fragments`), for weights [E, N, K]: rows in tiles of 16, K in chunks of 64.
+Layout (`weights.mxfp4.to_fragments`, `Mxfp4Fragments`; torch only, so models import it
+without Triton), for weights [E, N, K]: rows in tiles of 16, K in chunks of 64.
 - words [E, N/16, K/64, 32, 4] int32: lane l = 4g + t of a warp, word j = 2 b + i holds rows
   16T + g and 16T + g + 8 at columns 64c + 32b + 8t + 4i + e, e = 0..3: each mma covers 16
   columns inside one block of 32, and a lane's x for a chunk is two runs of 8 columns.
@@ -22,162 +23,20 @@ while packing.
 Code bits in a word: fragment register r (rows g, g+8, g, g+8 for r = 0..3; columns e = 0, 1
 for r < 2, e = 2, 3 after) takes its low half's code (column e even) with its sign bit at
 15 - SIGN_ROT[r] and its three magnitude bits from 6 - MAG_ROT[r], mod 32, and its high
-half's code 16 bits above; rotating the word left by those amounts puts the sign at bit 15
-and the magnitude at 6-8, which is bfloat16's value x 2^-126 (`moe_triton._e2m1_dots` says
-why). The four (sign, magnitude) rotations were searched for the fewest operations.
+half's code 16 bits above (`weights.mxfp4.bits_of`); rotating the word left by those amounts
+puts the sign at bit 15 and the magnitude at 6-8, which is bfloat16's value x 2^-126 (the
+code 0.5 a subnormal, which the tensor cores keep); x's pairs carry 2^100 (exact) so that the
+products stay normal, and the sums 2^26 back. The four (sign, magnitude) rotations were searched
+for the fewest ALU-pipe operations (plain left shifts are written as multiplies: the FMA pipe).
+
+The sorted layout (more pairs) decodes a chunk of tiles to values for a tl.dot (`frag_tile`),
+both rows of a word from one load.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
-
-ROWS = 16  # rows per fragment tile
-CHUNK = 64  # columns per chunk (four mma's of 16)
-SIGN_ROT = (0, 1, 2, 6)
-MAG_ROT = (0, 3, 12, 6)
-
-
-@dataclass(frozen=True)
-class Mxfp4Fragments:
-    """Stacked expert weights [E, N, K] in the fragment layout (`to_fragments`). With
-    `gate_up`, the rows are [gate; up] (N = 2I) and tile T holds gate and up of columns
-    8T .. 8T + 7 (rows g and g + 8)."""
-
-    words: torch.Tensor  # [E, N' / 16, K' / 64, 32, 4] int32
-    scales: torch.Tensor  # [E, N' / 16, K' / 64, 8] int32
-    rows: int
-    cols: int
-    gate_up: bool = False
-
-    @classmethod
-    def pack(cls, blocks: torch.Tensor, scales: torch.Tensor, gate_up: bool = False):
-        """From MXFP4 as stored (`weights.mxfp4.Mxfp4Weight`'s blocks and scales)."""
-        rows = blocks.shape[1]
-        order = gate_up_rows(rows // 2, blocks.device) if gate_up else None
-        words, packed = to_fragments(blocks, scales, order)
-        return cls(words, packed, rows, blocks.shape[2] * 32, gate_up)
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.words.shape[0], self.rows, self.cols
-
-    @property
-    def tiles(self) -> int:
-        return self.words.shape[1]
-
-    @property
-    def chunks(self) -> int:
-        return self.words.shape[2]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[E, N, K] in the caller's row order."""
-        n = self.tiles * ROWS
-        values = from_fragments(self.words, self.scales, n, self.cols, dtype)
-        if not self.gate_up:
-            return values[:, : self.rows]
-        inner = self.rows // 2
-        order = gate_up_rows(inner, values.device)
-        out = values.new_empty(values.shape[0], self.rows, self.cols)
-        keep = order >= 0
-        out[:, order[keep]] = values[:, keep]
-        return out
-
-
-def gate_up_rows(inner: int, device) -> torch.Tensor:
-    """Fragment row order of a [gate; up] projection: tile T's rows g and g + 8 are gate and
-    up of column 8T + g (-1 past the last column)."""
-    r = torch.arange(2 * 8 * -(-inner // 8), device=device)
-    cols = (r // 16) * 8 + r % 8
-    rows = cols + (r % 16 >= 8) * inner
-    return torch.where(cols < inner, rows, -1)
-
-
-def bits_of(register: int, half: int) -> tuple[int, int]:
-    """(sign bit, lowest magnitude bit) in the packed word of fragment register `register`'s
-    code in `half` (0 low, 1 high)."""
-    return ((15 + 16 * half - SIGN_ROT[register]) % 32,
-            (6 + 16 * half - MAG_ROT[register]) % 32)  # fmt: skip
-
-
-def to_fragments(
-    blocks: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 as stored (blocks [E, N, G, 16] uint8, two codes a byte, low nibble first; scales
-    [E, N, G] uint8) -> (words, scales) in the fragment layout. `rows` [N'] orders the rows
-    (an entry < 0 is a zero row); N' and G * 32 are padded to 16 and 64. One expert at a time
-    (the temporaries are eight bytes a code)."""
-    if blocks.shape[0] > 1:
-        parts = [to_fragments(blocks[e : e + 1], scales[e : e + 1], rows)
-                 for e in range(blocks.shape[0])]  # fmt: skip
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    experts, n, groups, _ = blocks.shape
-    device = blocks.device
-    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).reshape(experts, n, groups * 32)
-    exps = scales
-    if rows is not None:  # a zero row past the last for rows < 0
-        codes = torch.cat((codes, codes.new_zeros(experts, 1, codes.shape[2])), dim=1)
-        exps = torch.cat((exps, exps.new_full((experts, 1, groups), 127)), dim=1)
-        rows = torch.where(rows < 0, n, rows).to(device)
-        codes, exps, n = codes[:, rows], exps[:, rows], rows.numel()
-    tiles, chunks = -(-n // ROWS), -(-groups * 32 // CHUNK)
-    codes = _pad(codes, (0, chunks * CHUNK - groups * 32, 0, tiles * ROWS - n), 0)
-    exps = _pad(exps, (0, 2 * chunks - groups, 0, tiles * ROWS - n), 127)
-    # codes[e, T, h, g, c, b, t, i, col] -> word (e, T, c, lane = 4g + t, j = 2b + i)
-    codes = codes.reshape(experts, tiles, 2, 8, chunks, 2, 4, 2, 4).long()
-    codes = codes.permute(0, 1, 4, 3, 6, 5, 7, 2, 8)  # e, T, c, g, t, b, i, h, col
-    word = torch.zeros(codes.shape[:-2], dtype=torch.int64, device=device)
-    for h in range(2):
-        for col in range(4):
-            register, half = 2 * (col // 2) + h, col % 2
-            sign, mag = bits_of(register, half)
-            code = codes[..., h, col]
-            word |= ((code >> 3) & 1) << sign
-            word |= (code & 7) << mag
-    words = _as_int32(word).reshape(experts, tiles, chunks, 32, 4)
-    # exps[e, T, h, g, c, b] -> (e, T, c, g) with byte 2h + b
-    exps = exps.reshape(experts, tiles, 2, 8, chunks, 2).permute(0, 1, 4, 3, 2, 5).long()
-    shifts = 8 * torch.arange(4, device=device)
-    packed = (exps.reshape(experts, tiles, chunks, 8, 4) << shifts).sum(-1)
-    return words.contiguous(), _as_int32(packed).contiguous()
-
-
-def from_fragments(words: torch.Tensor, scales: torch.Tensor, n: int, k: int,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
-    """The fragment layout back to values [E, N, K] (rows in the packed order, padding cut)."""
-    from noesis.weights.mxfp4 import FP4_VALUES
-
-    experts, tiles, chunks = words.shape[:3]
-    word = words.long() & 0xFFFFFFFF  # [e, T, c, lane, j]
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=words.device)
-    values = torch.empty(experts, tiles, chunks, 32, 4, 2, 4, dtype=torch.float32,
-                         device=words.device)  # fmt: skip
-    for h in range(2):
-        for col in range(4):
-            sign, mag = bits_of(2 * (col // 2) + h, col % 2)
-            code = (((word >> sign) & 1) << 3) | ((word >> mag) & 7)
-            values[..., h, col] = lut[code]
-    # [e, T, c, g, t, b, i, h, col] -> [e, T, h, g, c, b, t, i, col]
-    values = values.reshape(experts, tiles, chunks, 8, 4, 2, 2, 2, 4)
-    values = values.permute(0, 1, 7, 3, 2, 5, 4, 6, 8).reshape(experts, tiles * 16, chunks * 64)
-    exps = (scales.long() & 0xFFFFFFFF)[..., None] >> (8 * torch.arange(4, device=words.device))
-    exps = (exps & 255).reshape(experts, tiles, chunks, 8, 2, 2)  # e, T, c, g, h, b
-    exps = exps.permute(0, 1, 4, 3, 2, 5).reshape(experts, tiles * 16, chunks * 2)
-    values = values * torch.exp2(exps.float() - 127).repeat_interleave(32, dim=2)
-    return values[:, :n, :k].to(dtype)
-
-
-def _pad(t: torch.Tensor, pad: tuple[int, ...], value: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, pad, value=value) if any(pad) else t
-
-
-def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    """int64 holding 32-bit patterns -> the same bits as int32."""
-    return torch.where(t >= 1 << 31, t - (1 << 32), t).to(torch.int32)
-
 
 # One chunk of a lane: its four words ($4-$7), x's two runs of eight columns as bfloat16 words
 # ($8-$11, $12-$15), its scale word ($16), and the running sums of its rows g ($2) and g + 8
@@ -308,7 +167,7 @@ def _word_dot(word, x01, x23, H: tl.constexpr):
     """Row half H's four codes of a word times x's columns 0-3 (two bfloat16 pairs), x 2^-26."""
     total = _code(word, H, 0) * _lo(x01) + _code(word, H, 1) * _hi(x01)
     total += _code(word, H, 2) * _lo(x23) + _code(word, H, 3) * _hi(x23)
-    return total * (1.0 / 4096)  # _e2m1's 2^-14 -> 2^-26
+    return total * (1.0 / 4096)  # the codes' 2^-14 -> 2^-26
 
 
 @triton.jit
@@ -328,9 +187,7 @@ def _code(word, H: tl.constexpr, COL: tl.constexpr):
     else:
         SIGN: tl.constexpr = 9 + 16 * HALF
         MAG: tl.constexpr = 16 * HALF
-    code = (((word >> SIGN) & 1) << 3) | ((word >> MAG) & 7)
-    bits = (((code & 8) << 12) | ((code & 7) << 9)).to(tl.int16)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    return _value_2m14(_code_at(word, SIGN, MAG))
 
 
 @triton.jit
@@ -348,3 +205,54 @@ def _scale(sw, BYTE: tl.constexpr):
     """Exponent byte BYTE of a scale word as float32 2^(e - 127)."""
     return (((sw >> (8 * BYTE)) & 255) << 23).to(tl.float32, bitcast=True)
 
+
+
+@triton.jit
+def frag_tile(w_ptr, s_ptr, expert, tile0, c, NT: tl.constexpr, KC: tl.constexpr,
+              TILES: tl.constexpr):  # fmt: skip
+    """Chunk c of tiles tile0 .. tile0 + TILES - 1 as float32 values for a tl.dot: rows g
+    [8 TILES, 64] and rows g + 8 (row 8T + g of each, 0 past the last tile), columns in the
+    words' order k' = 4 (4t + j) + e, and the chunk's columns [64] they stand for, 64c + 32
+    (j // 2) + 8t + 4 (j % 2) + e. A word serves both rows; each code's bits sit at fixed
+    places (`weights.mxfp4.bits_of`)."""
+    r = tl.arange(0, 8 * TILES)
+    tile = tile0 + r // 8
+    ok = tile < NT
+    base = (expert * NT + tile.to(tl.int64)) * KC + c
+    q = tl.arange(0, 16)  # a lane's t and word j: 4t + j
+    words = tl.load(w_ptr + (base * 128 + 16 * (r % 8))[:, None] + q[None, :], mask=ok[:, None],
+                    other=0)  # fmt: skip
+    scales = tl.load(s_ptr + base * 8 + r % 8, mask=ok, other=0)
+    second_block = ((q % 4) // 2 == 1)[None, :]
+    rows_g = _half_tile(words, scales, second_block, 0, TILES)
+    rows_g8 = _half_tile(words, scales, second_block, 1, TILES)
+    k = tl.arange(0, 64)
+    t, j = k // 16, (k // 4) % 4
+    return rows_g, rows_g8, 64 * c + 32 * (j // 2) + 8 * t + 4 * (j % 2) + k % 4
+
+
+@triton.jit
+def _half_tile(words, scales, second_block, H: tl.constexpr, TILES: tl.constexpr):
+    """Row half H's values [8 TILES, 64] of a chunk's words [8 TILES, 16]: fragment registers
+    H and 2 + H, two codes each (columns e = 0, 1 and 2, 3), times their blocks' scales."""
+    exponent = tl.where(second_block, (scales[:, None] >> (16 * H + 8)) & 255,
+                        (scales[:, None] >> (16 * H)) & 255)  # fmt: skip
+    scale = ((exponent + 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) x 2^14
+    e0 = _value_2m14(_code_at(words, 15 - H, 6 - 3 * H))  # registers 0 / 1, low half
+    e1 = _value_2m14(_code_at(words, 31 - H, 22 - 3 * H))  # high half
+    e2 = _value_2m14(_code_at(words, 13 - 4 * H, 26 - 26 * H))  # registers 2 / 3
+    e3 = _value_2m14(_code_at(words, 29 - 4 * H, 10 + 6 * H))
+    values = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [.., 16, 2, 2]: e = 2a + b
+    return tl.reshape(values * scale[:, :, None, None], (8 * TILES, 64))
+
+
+@triton.jit
+def _code_at(word, SIGN: tl.constexpr, MAG: tl.constexpr):
+    return (((word >> SIGN) & 1) << 3) | ((word >> MAG) & 7)
+
+
+@triton.jit
+def _value_2m14(code):
+    """E2M1 codes -> value x 2^-14 in float32 (the float16 placement of `_code`)."""
+    bits = (((code & 8) << 12) | ((code & 7) << 9)).to(tl.int16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)

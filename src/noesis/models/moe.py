@@ -13,7 +13,7 @@ from torch import nn
 from noesis.kernels import moe as moe_ops
 from noesis.kernels import ops
 from noesis.models.config import ModelConfig
-from noesis.weights.mxfp4 import MXFP4_BLOCK, Mxfp4Weight
+from noesis.weights.mxfp4 import MXFP4_BLOCK, Mxfp4Fragments, Mxfp4Weight
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -33,6 +33,7 @@ class Experts(nn.Module):
             self.gate_up_proj_bias = self.down_proj_bias = None
         self.activation = moe_ops.Activation(moe.swiglu_limit, moe.swiglu_alpha)
         self.packed = False
+        self.fragments: dict[str, tuple[int, int]] = {}  # name -> (rows, cols) once repacked
 
     def keep_mxfp4_packed(self) -> None:
         """Before loading (on the meta device): hold each projection as the checkpoint stores
@@ -48,6 +49,21 @@ class Experts(nn.Module):
                 self.register_parameter(f"{name}_{kind}", nn.Parameter(tensor, False))
         self.packed = True
 
+    def use_fragments(self) -> None:
+        """After loading packed (CUDA): each projection repacked as tensor-core fragments
+        (kernels/mxfp4_mma.py; the same bytes, padded to whole tiles), its stored blocks and
+        scales freed one projection at a time."""
+        for name in PROJECTIONS:
+            blocks = getattr(self, f"{name}_blocks")
+            scales = getattr(self, f"{name}_scales")
+            packed = Mxfp4Fragments.pack(blocks, scales, gate_up=name == "gate_up_proj")
+            delattr(self, f"{name}_blocks")
+            delattr(self, f"{name}_scales")
+            del blocks, scales
+            self.register_buffer(f"{name}_words", packed.words)
+            self.register_buffer(f"{name}_fragment_scales", packed.scales)
+            self.fragments[name] = (packed.rows, packed.cols)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         return moe_ops.experts(
@@ -62,7 +78,11 @@ class Experts(nn.Module):
             residual,
         )
 
-    def _projection(self, name: str) -> torch.Tensor | Mxfp4Weight:
+    def _projection(self, name: str) -> torch.Tensor | Mxfp4Weight | Mxfp4Fragments:
+        if self.fragments:
+            return Mxfp4Fragments(getattr(self, f"{name}_words"),
+                                  getattr(self, f"{name}_fragment_scales"), *self.fragments[name],
+                                  gate_up=name == "gate_up_proj")  # fmt: skip
         if self.packed:
             return Mxfp4Weight(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"))
         return getattr(self, name)

@@ -251,7 +251,7 @@ def _pairs_of_words(x_ptr, k0, words_in, K: tl.constexpr, ASM: tl.constexpr):
     x01_45, x23_67 = tl.split(tl.reshape(bits, (at.shape[0], at.shape[1], 2, 2)))
     x01, x45 = tl.split(x01_45)
     x23, x67 = tl.split(x23_67)
-    return bf16_pairs(x01, x23, x45, x67, ASM, False)
+    return bf16_pairs(x01, x23, x45, x67, ASM)
 
 
 @triton.jit
