@@ -152,6 +152,7 @@ def test_mxfp4_experts_load_packed_and_info_prices_them(checkpoints, tmp_path):
         for name in ("gate_up_proj", "down_proj"):
             assert torch.equal(ours._projection(name).dequantize(), getattr(default, name))
     assert mxfp4.fragment_experts(model) == len(pairs)  # what the CUDA load does next
+    assert mxfp4.fragment_experts(model) == 0  # once
     for ours, default in pairs:
         assert not hasattr(ours, "gate_up_proj_blocks")
         for name in ("gate_up_proj", "down_proj"):

@@ -73,11 +73,12 @@ def pack_experts(model: nn.Module) -> int:
 
 
 def fragment_experts(model: nn.Module) -> int:
-    """Every packed experts module of a loaded `model` repacked as tensor-core fragments
-    (`Experts.use_fragments`), the layout the CUDA kernels read; returns how many."""
+    """Every packed experts module of a loaded `model` not yet repacked as tensor-core
+    fragments (`Experts.use_fragments`), the layout the CUDA kernels read; returns how many."""
     from noesis.models.moe import Experts
 
-    experts = [m for m in model.modules() if isinstance(m, Experts) and m.packed]
+    experts = [m for m in model.modules() if isinstance(m, Experts) and m.packed
+               and not m.fragments]  # fmt: skip
     for module in experts:
         module.use_fragments()
     return len(experts)
