@@ -467,8 +467,7 @@ def _frag_sorted_gate_up(
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
+    pairs, pair_ok = _block_pairs(rows_ptr, num_pairs, BLOCK_M)
     tile0 = tl.program_id(1) * TILES
     x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * H
     gate, up = _frag_tile_matmul(x_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, H, TILES,
@@ -497,8 +496,7 @@ def _frag_sorted_down(
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
+    pairs, pair_ok = _block_pairs(rows_ptr, num_pairs, BLOCK_M)
     tile0 = tl.program_id(1) * TILES
     act_rows = act_ptr + pairs.to(tl.int64) * I
     low, high = _frag_tile_matmul(act_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, I,
@@ -520,6 +518,14 @@ def _frag_down_block(acc, rows, pair_ok, weight, out, bias, act_ptr, H: tl.const
         acc += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     acc = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight
     tl.store(out + rows[None, :], acc, mask=pair_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _block_pairs(rows_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """The sorted layout's block of BLOCK_M pair ids (num_pairs on padding rows) and which are
+    real."""
+    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pairs, pairs < num_pairs
 
 
 @triton.jit
@@ -572,8 +578,7 @@ def _sorted_gate_up(
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
+    pairs, pair_ok = _block_pairs(rows_ptr, num_pairs, BLOCK_M)
     r = tl.arange(0, 2 * BLOCK_N)
     cols = tl.program_id(1) * BLOCK_N + r // 2
     rows = cols + (r % 2) * I
@@ -602,8 +607,7 @@ def _sorted_down(
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
+    pairs, pair_ok = _block_pairs(rows_ptr, num_pairs, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     act_rows = act_ptr + pairs.to(tl.int64) * I
