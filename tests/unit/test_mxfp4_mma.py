@@ -190,3 +190,13 @@ def test_the_sorted_layout_reads_fragments(tokens, top_k, dtype, monkeypatch):
     scale = ref.float().abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (ours.float() - ref.float()).abs().max().item() <= tol * scale
+
+
+def test_projections_packed_for_the_other_place_are_refused():
+    gate_up, down = _mxfp4(2, 64, 32), _mxfp4(2, 32, 32)
+    as_down = Mxfp4Fragments.pack(gate_up.blocks, gate_up.scales)  # gate_up=False
+    x = torch.randn(1, 32, device=DEVICE).bfloat16()
+    one = torch.ones(1, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="gate_up's fragments were packed as down's"):
+        moe_triton.experts(x, one.long() * 0, one, as_down,
+                           Mxfp4Fragments.pack(down.blocks, down.scales), 7.0, 1.702)  # fmt: skip

@@ -104,9 +104,11 @@ def experts(
     glu = dict(limit=0.0 if limit is None else float(limit), alpha=float(alpha))
     glu["CLAMP"] = limit is not None
     act = torch.empty(tokens * top_k, down.shape[2], dtype=x.dtype, device=x.device)  # [P, I]
-    run = _gemv_experts if uses_gemv(tokens * top_k, gate_up.shape[0], top_k) else _sorted_experts
-    if isinstance(gate_up, Mxfp4Fragments) and x.dtype != torch.bfloat16:
-        run = _sorted_experts  # the mma GEMV multiplies bfloat16
+    gemv = uses_gemv(tokens * top_k, gate_up.shape[0], top_k)
+    if isinstance(gate_up, Mxfp4Fragments):  # the mma GEMV multiplies bfloat16
+        run = _frag_experts if gemv and x.dtype == torch.bfloat16 else _frag_sorted_experts
+    else:
+        run = _gemv_experts if gemv else _sorted_experts
     partial = run(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
     return _sum_slots(partial, tokens, top_k, x.dtype, residual)
 
@@ -154,11 +156,8 @@ def align_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
-    x = word_aligned(x)
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
-    if isinstance(gate_up, Mxfp4Fragments):
-        return _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu)
     tiles = GEMV_TILES[0]
     _gemv_gate_up[(tokens * top_k, triton.cdiv(inner, tiles.block_n))](
         x, ids, gate_up, _or(gate_up_bias, x), act, glu["limit"], glu["alpha"], TOP_K=top_k,
@@ -177,6 +176,7 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
 
 
 def _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
+    x = word_aligned(x)  # read as int32 words
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
     no_asm = not bf16x2_asm(x.device)  # the same condition: sm_80 on, not interpreted
@@ -211,17 +211,20 @@ def _sum_slots(partial: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtyp
     return out
 
 
+def _sorted_blocks(x, ids, num_experts):
+    """(pair of each row, expert of each block, rows a block, tl.dot precision) of the sorted
+    layout."""
+    block_m = block_rows(ids.numel(), num_experts)
+    rows, block_experts = align_by_expert(ids.flatten(), num_experts, block_m)
+    return rows, block_experts, block_m, "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
     num_pairs = tokens * top_k
-    block_m = block_rows(num_pairs, gate_up.shape[0])
-    rows, block_experts = align_by_expert(ids.flatten(), gate_up.shape[0], block_m)
+    rows, block_experts, block_m, precision = _sorted_blocks(x, ids, gate_up.shape[0])
     num_blocks = block_experts.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    if isinstance(gate_up, Mxfp4Fragments):
-        return _frag_sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act,
-                                    glu, rows, block_experts, block_m, precision)  # fmt: skip
     tiles = SORTED
     _sorted_gate_up[(num_blocks, triton.cdiv(inner, tiles.block_n))](
         x, rows, block_experts, gate_up, _or(gate_up_bias, x), act, num_pairs, glu["limit"],
@@ -239,10 +242,10 @@ def _sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act
     return partial
 
 
-def _frag_sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu, rows,
-                         block_experts, block_m, precision):  # fmt: skip
+def _frag_sorted_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
+    rows, block_experts, block_m, precision = _sorted_blocks(x, ids, gate_up.shape[0])
     num_pairs, num_blocks = tokens * top_k, block_experts.numel()
     tiles = FRAG_SORTED_TILES[0]
     _frag_sorted_gate_up[(num_blocks, triton.cdiv(gate_up.tiles, tiles))](
@@ -276,8 +279,11 @@ def _check(x, ids, weights, gate_up, down, gate_up_bias, down_bias) -> None:
         if isinstance(tensor, Mxfp4Weight):
             raise TypeError(f"{name}: MXFP4 experts run as tensor-core fragments on CUDA; "
                             "repack them with Mxfp4Fragments.pack (a load does)")  # fmt: skip
-        if isinstance(tensor, Mxfp4Fragments):
-            continue  # built contiguous by Mxfp4Fragments.pack
+        if isinstance(tensor, Mxfp4Fragments):  # built contiguous by Mxfp4Fragments.pack
+            if tensor.gate_up != (name == "gate_up"):
+                raise ValueError(f"{name}'s fragments were packed as "
+                                 f"{'gate_up' if tensor.gate_up else 'down'}'s")  # fmt: skip
+            continue
         if tensor.dtype != x.dtype or not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous {x.dtype}, got {tensor.dtype}")
     for name, bias, size in (
@@ -394,16 +400,8 @@ def _frag_gate_up(
 ):  # fmt: skip
     """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T) over fragment-layout weights, WARPS
     tiles a program, whose rows g and g + 8 are gate and up of column 8T + g."""
-    if PDL:
-        gdc_wait()  # the expert ids
-    pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * H
-    tile0 = tl.program_id(1) * WARPS
-    gate, up = frag_gemv(x_row, w_ptr, s_ptr, expert, tile0, NT, KC, H, WARPS, KSPLIT, CH,
-                         NO_ASM)  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
+    pair, expert, tile0, gate, up = _pair_frag_gemv(x_ptr, TOP_K, ids_ptr, w_ptr, s_ptr, NT, KC,
+                                                    H, WARPS, KSPLIT, CH, NO_ASM, PDL)  # fmt: skip
     m = tl.arange(0, WARPS * 32)
     cols = (tile0 + m // 32) * 8 + (m % 32) // 4
     ok = (m % 4 == 0) & (cols < I)
@@ -424,16 +422,8 @@ def _frag_down(
 ):  # fmt: skip
     """out[p, rows] = weight[p] * (act[p] @ down[ids[p]].T) in float32 over fragment-layout
     weights (_sum_slots_kernel adds a token's k pairs)."""
-    if PDL:
-        gdc_wait()  # the activations
-    pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    act_row = act_ptr + pair.to(tl.int64) * I
-    tile0 = tl.program_id(1) * WARPS
-    y_g, y_h = frag_gemv(act_row, w_ptr, s_ptr, expert, tile0, NT, KC, I, WARPS, KSPLIT, CH,
-                         NO_ASM)  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
+    pair, expert, tile0, y_g, y_h = _pair_frag_gemv(act_ptr, 1, ids_ptr, w_ptr, s_ptr, NT, KC, I,
+                                                    WARPS, KSPLIT, CH, NO_ASM, PDL)  # fmt: skip
     m = tl.arange(0, WARPS * 32)
     rows = (tile0 + m // 32) * 16 + (m % 32) // 4
     weight = tl.load(weights_ptr + pair).to(tl.float32)
@@ -442,6 +432,25 @@ def _frag_down(
     ok = m % 4 == 0
     _frag_down_rows(y_g, rows, ok, bias, weight, out, act_ptr, H, HAS_BIAS)
     _frag_down_rows(y_h, rows + 8, ok, bias, weight, out, act_ptr, H, HAS_BIAS)
+
+
+@triton.jit
+def _pair_frag_gemv(x_ptr, PAIRS_A_ROW: tl.constexpr, ids_ptr, w_ptr, s_ptr, NT: tl.constexpr,
+                    KC: tl.constexpr, K: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr,
+                    CH: tl.constexpr, NO_ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """The decode layout's program over fragments: its pair, expert and first tile, and
+    frag_gemv of x's row pair // PAIRS_A_ROW [K], between PDL's wait and release."""
+    if PDL:
+        gdc_wait()  # the expert ids and x
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // PAIRS_A_ROW).to(tl.int64) * K
+    tile0 = tl.program_id(1) * WARPS
+    sums_g, sums_h = frag_gemv(x_row, w_ptr, s_ptr, expert, tile0, NT, KC, K, WARPS, KSPLIT, CH,
+                               NO_ASM)  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+    return pair, expert, tile0, sums_g, sums_h
 
 
 @triton.jit
