@@ -13,7 +13,7 @@ from noesis.errors import ConfigError
 from noesis.sampling.sampler import Penalties, SamplingTensors, apply_penalties, sample
 from noesis.speculative import DepthController, SpeculativeConfig
 from noesis.speculative import verify as verify_module
-from noesis.speculative.proposer import NgramProposer, Proposals, lengths_under_entropy
+from noesis.speculative.proposer import NgramProposer, Proposals, entropy_of, lengths_under_entropy
 from noesis.speculative.verify import draft_race, processed_probs, verify
 
 # ---------------------------------------------------------------- config
@@ -162,9 +162,9 @@ def test_entropy_cuts_proposals_at_the_first_uncertain_position():
     unsure = torch.full((4,), 0.25)  # ln 4 = 1.39 nats
     q = torch.stack([torch.stack([sure, sure, unsure, sure]),
                      torch.stack([unsure, sure, sure, sure])])
-    lengths = lengths_under_entropy(q, torch.tensor([4, 3]), cutoff=1.0)
+    lengths = lengths_under_entropy(entropy_of(q), torch.tensor([4, 3]), cutoff=1.0)
     assert lengths.tolist() == [2, 0]
-    assert lengths_under_entropy(q, torch.tensor([1, 3]), cutoff=2.0).tolist() == [1, 3]
+    assert lengths_under_entropy(entropy_of(q), torch.tensor([1, 3]), cutoff=2.0).tolist() == [1, 3]
 
 
 # ---------------------------------------------------------------- verification helpers
@@ -350,6 +350,9 @@ def test_penalties_count_earlier_proposals_at_each_position():
     for j in range(K + 1):
         manual = penalties_for([1, 2], [2, 4] + proposed[0, :j].tolist())
         assert torch.allclose(probs[0, j], apply_penalties(logits[:, j], manual).softmax(-1)[0])
+        # one position alone (a draft step) gives the same floats as the whole row's
+        alone = verify_module.adjusted(logits[:, j : j + 1], proposed[:, :j], t, first=j)
+        assert torch.equal(alone.softmax(-1)[0, 0], probs[0, j])
 
 
 def test_seeded_results_are_reproducible_and_batch_independent():
@@ -551,3 +554,10 @@ def test_bundled_pair_speculates_token_identically_in_the_engine():
     looked_up = llm.generate([*prompts, repeating], params)
     assert [o.token_ids for o in looked_up] == [*expected[1:], repeated.token_ids]
     assert looked_up[-1].spec_accepted > 0
+
+
+def test_row_argmax_equals_torch_over_positions_with_ties():
+    torch.manual_seed(5)
+    x = torch.randint(0, 7, (3, 4, 1024)).float()  # many equal maxima: the lowest index wins
+    assert torch.equal(verify_module.row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(verify_module.row_argmax(x[:, 1]), x[:, 1].argmax(dim=-1))

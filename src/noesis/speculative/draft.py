@@ -23,8 +23,8 @@ from noesis.runner.inputs import AttentionMetadata, PrefillSpan
 from noesis.runner.runner import default_attention
 from noesis.sampling.sampler import LogitBias, Penalties, SamplingTensors
 from noesis.speculative.grammar import DraftGuide
-from noesis.speculative.proposer import Proposals, lengths_under_entropy
-from noesis.speculative.verify import adjusted, draft_race, processed_probs
+from noesis.speculative.proposer import Proposals, entropy_of, lengths_under_entropy
+from noesis.speculative.verify import adjusted, draft_race, row_argmax, scores
 from noesis.structured.matcher import GrammarMatcher
 
 
@@ -98,7 +98,9 @@ class DraftProposer:
                 and self._reserve(request_ids[i], histories[i], k)]
         proposed = torch.zeros((n, k), dtype=torch.int64, device=self.device)
         num_proposed = torch.zeros(n, dtype=torch.int64, device=self.device)
-        probs = torch.zeros((n, k, self.vocab_size), device=self.device)
+        # q only where verification reads it (a sampled batch); greedy drafts keep none
+        sampled = sampling is not None and not sampling.all_greedy
+        probs = torch.zeros((n, k, self.vocab_size), device=self.device) if sampled else None
         if rows:
             seqs = [self._seqs[request_ids[i]] for i in rows]
             index = self._tensor(rows)
@@ -108,19 +110,22 @@ class DraftProposer:
                 guide = DraftGuide([matchers[i] for i in rows], self.vocab_size, self.device,
                                    per_token=self.device.type == "cpu")
             try:
-                tokens, q = self._draft(seqs, [histories[i] for i in rows], k, knobs, guide)
+                tokens, q, entropy = self._draft(seqs, [histories[i] for i in rows], k, knobs,
+                                                 guide, keep_q=sampled)  # fmt: skip
             finally:
                 if guide is not None:
                     guide.finish()
             depth = self._tensor([depths[i] for i in rows])
-            proposed[index], probs[index] = tokens, q
-            num_proposed[index] = lengths_under_entropy(q, depth, self.entropy_cutoff)
+            proposed[index] = tokens
+            if probs is not None:
+                probs[index] = q
+            num_proposed[index] = (depth if entropy is None else
+                                   lengths_under_entropy(entropy, depth, self.entropy_cutoff))
         host, ready = self._copy_to_host(proposed)
         for i in rows:
             seq = self._seqs[request_ids[i]]
             seq.drafted, seq.drafted_ready = host[i], ready
-        sampled = sampling is not None and not sampling.all_greedy
-        return Proposals(proposed, num_proposed, probs if sampled else None, host, ready)
+        return Proposals(proposed, num_proposed, probs, host, ready)
 
     def release(self, request_id: object) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -142,26 +147,31 @@ class DraftProposer:
             seq.pages.extend(self.allocator.allocate(missing))
         return True
 
-    def _draft(self, seqs, histories, k, knobs, guide=None):
-        """k tokens per row [r, k] and their distributions [r, k, V] (masked by `guide`)."""
+    def _draft(self, seqs, histories, k, knobs, guide=None, keep_q=True):
+        """k tokens per row [r, k], their distributions [r, k, V] (masked by `guide`; None
+        unless keep_q) and those distributions' entropies [r, k] (None when no cutoff reads
+        them). Each step works on its own position only: the penalties at position j count
+        drafted[:, :j]."""
         lengths = [len(h) for h in histories]
         drafted = torch.zeros((len(seqs), k), dtype=torch.int64, device=self.device)
         step_logits = self._graph_steps(seqs, histories, k)
-        per_position, q = [], []
+        q, entropy, cut = [], [], self.entropy_cutoff != math.inf
         for j in range(k):
             logits = step_logits(j, drafted) if step_logits is not None else (  # [r, V]
                 self._feed_history(seqs, histories) if j == 0 else
                 self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
             if guide is not None:
                 logits = guide.mask(j, logits, drafted)
-            per_position.append(logits)
-            # Penalties at position j count drafted[:, :j], so _pick sees every position so far.
-            token, dist = _pick(torch.stack(per_position, dim=1), drafted[:, :j], knobs, j)
+            token, dist = _pick(logits, drafted[:, :j], knobs, j, want_q=keep_q or cut)
             drafted[:, j] = token
-            q.append(dist)
+            if keep_q:
+                q.append(dist)
+            if cut:
+                entropy.append(entropy_of(dist))
         for seq, history in zip(seqs, histories, strict=True):
             seq.num_cached, seq.drafted_from = len(history), len(history)
-        return drafted, torch.stack(q, dim=1)
+        return (drafted, torch.stack(q, dim=1) if keep_q else None,
+                torch.stack(entropy, dim=1) if entropy else None)
 
     def _graph_steps(self, seqs, histories, k):
         """step(j, drafted) -> logits [r, V] of drafting step j through the graphs, or None
@@ -280,15 +290,18 @@ def _resync(seq: _DraftSeq, history: Sequence[int]) -> None:
     seq.num_cached = min(seq.num_cached, len(history) - 1)
 
 
-def _pick(logits, so_far, knobs, j):
+def _pick(logits, so_far, knobs, j, want_q=True):
     """The j-th drafted token per row and its distribution q [r, V] from the draft's logits
-    at positions 0..j [r, j + 1, V], as the target's sampler would pick (penalties counting
-    the earlier drafted tokens, temperature, filters)."""
+    at position j [r, V], as the target's sampler would pick (penalties counting the earlier
+    drafted tokens so_far [r, j], temperature, filters: verify.processed_probs at one
+    position). q is None for greedy rows when not wanted (a sampled row needs it)."""
     if knobs is None:
-        last = logits[:, j]
-        return last.argmax(dim=-1), last.softmax(dim=-1)
-    q = processed_probs(logits, so_far, knobs)[:, j]
-    greedy = adjusted(logits, so_far, knobs)[:, j].argmax(dim=-1)
+        return row_argmax(logits), logits.softmax(dim=-1) if want_q else None
+    adjusted_j = adjusted(logits[:, None], so_far, knobs, first=j)  # [r, 1, V]
+    greedy = row_argmax(adjusted_j[:, 0])
+    if knobs.all_greedy and not want_q:
+        return greedy, None
+    q = scores(adjusted_j, knobs).softmax(dim=-1)[:, 0]
     if knobs.all_greedy:
         return greedy, q
     sampled = draft_race(q.log(), knobs.seeds, knobs.steps + j)

@@ -164,12 +164,16 @@ class _NgramIndex:
             self._after[tuple(tokens[end - n:])] = end
 
 
-def lengths_under_entropy(draft_probs: torch.Tensor, num_proposed: torch.Tensor,
+def entropy_of(probs: torch.Tensor) -> torch.Tensor:
+    """The entropy in nats of each distribution [..., V] -> [...]."""
+    logs = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
+    return -(probs * logs).sum(dim=-1)
+
+
+def lengths_under_entropy(entropy: torch.Tensor, num_proposed: torch.Tensor,
                           cutoff: float) -> torch.Tensor:
     """Cut each row's proposals before the first position whose draft distribution has more
     entropy than `cutoff` (nats): the draft was guessing there. On the device, no sync.
-    draft_probs [n, k, V], num_proposed [n] -> num_proposed [n]."""
-    logs = torch.where(draft_probs > 0, draft_probs.log(), torch.zeros_like(draft_probs))
-    entropy = -(draft_probs * logs).sum(dim=-1)  # [n, k]
+    entropy [n, k] (entropy_of the draft's distributions), num_proposed [n] -> [n]."""
     confident = (entropy <= cutoff).to(torch.int64)
     return torch.minimum(num_proposed, confident.cumprod(dim=-1).sum(dim=-1))
