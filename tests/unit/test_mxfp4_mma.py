@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 
 from noesis.kernels import moe_triton  # noqa: E402
 from noesis.kernels.asm import bf16x2_asm  # noqa: E402
-from noesis.kernels.mxfp4_mma import frag_gemv  # noqa: E402
+from noesis.kernels.frag_gemv import frag_gemv  # noqa: E402
 from noesis.weights.mxfp4 import (  # noqa: E402
     Mxfp4Fragments,
     Mxfp4Weight,
@@ -85,13 +85,15 @@ def test_gate_up_tiles_pair_each_columns_gate_and_up(inner):
 
 
 @triton.jit
-def _sums_kernel(x_ptr, w_ptr, s_ptr, out_ptr, expert, NT: tl.constexpr, KC: tl.constexpr,
-                 K: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr, CH: tl.constexpr,
-                 NO_ASM: tl.constexpr):  # fmt: skip
-    """out[row] = frag_gemv's float32 sum of each packed row, as the lanes t = 0 hold them."""
+def sums_kernel(x_ptr, w_ptr, s_ptr, out_ptr, expert, NT: tl.constexpr, KC: tl.constexpr,
+                K: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr, CH: tl.constexpr,
+                NO_ASM: tl.constexpr, FORMAT: tl.constexpr = 0, GC: tl.constexpr = 1,
+                NG: tl.constexpr = 1):  # fmt: skip
+    """out[row] = frag_gemv's float32 sum of each packed row, as the lanes t = 0 hold them
+    (FORMAT 0: MXFP4; test_int4_fragments.py runs the int4 formats)."""
     tile0 = tl.program_id(0) * WARPS
     sum_g, sum_h = frag_gemv(x_ptr, w_ptr, s_ptr, expert, tile0, NT, KC, K, WARPS, KSPLIT, CH,
-                             NO_ASM)  # fmt: skip
+                             NO_ASM, FORMAT, GC, NG)  # fmt: skip
     m = tl.arange(0, WARPS * 32)
     rows = (tile0 + m // 32) * 16 + (m % 32) // 4
     ok = (m % 4 == 0) & (tile0 + m // 32 < NT)
@@ -110,7 +112,7 @@ def test_frag_gemv_sums_each_row_against_x(rows, cols, tiles):
     for x in (x.bfloat16().to(DEVICE) for x in xs):  # random, and one column: each code alone
         warps, split, chunks = tiles
         out = torch.zeros(fragments.tiles * 16, device=DEVICE)
-        _sums_kernel[(triton.cdiv(fragments.tiles, warps),)](
+        sums_kernel[(triton.cdiv(fragments.tiles, warps),)](
             x, fragments.words, fragments.scales, out, 1, NT=fragments.tiles,
             KC=fragments.chunks, K=cols, WARPS=warps, KSPLIT=split, CH=chunks,
             NO_ASM=not bf16x2_asm(x.device), num_warps=warps * split,

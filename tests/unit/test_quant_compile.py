@@ -31,6 +31,11 @@ LAUNCHES = {
     "decode int8 split": (16, 4096, 14336, 8, -1, False, (32, 128, 4, 4, 3, True)),
     "prefill int4 g128": (300, 4096, 4096, 4, 128, False, None),
 }
+# The int4 fragment GEMV's inline mma.sync (quant/int4_fragments.py): (N, K, group, dtype)
+FRAGMENT_LAUNCHES = {
+    "decode int4 fragments bf16 g128": (14336 * 2, 4096, 128, "bfloat16"),
+    "decode int4 fragments f16 g64": (4096, 14336, 64, "float16"),
+}
 
 
 def compile_all() -> dict[str, str]:
@@ -38,6 +43,7 @@ def compile_all() -> dict[str, str]:
     from test_kernels_compile import compile_launch
 
     from noesis.quant import kernel
+    from noesis.quant.int4_fragments import Int4Fragments
 
     recorded = []
 
@@ -48,7 +54,7 @@ def compile_all() -> dict[str, str]:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: recorded.append((self.real, args, kwargs))
 
-    for name in ("_packed_gemv", "_packed_gemv_dot", "_packed_matmul"):
+    for name in ("_packed_gemv", "_packed_gemv_dot", "_packed_matmul", "_int4_frag_gemv"):
         setattr(kernel, name, Recorder(getattr(kernel, name)))
     bf16 = torch.bfloat16
     reports = {}
@@ -64,6 +70,15 @@ def compile_all() -> dict[str, str]:
                 config=config and kernel.GemvConfig(*config),
             )
             (launch,) = recorded
+            reports[name] = compile_launch(*launch, Path(tmp))["ptxas"]
+        for name, (n, k, group, dtype) in FRAGMENT_LAUNCHES.items():
+            recorded.clear()
+            frags = Int4Fragments(torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32),
+                                  torch.zeros(n // 16, k // group, 8, 2, dtype=torch.int32),
+                                  n, k, group, getattr(torch, dtype))  # fmt: skip
+            kernel.fragment_gemv(torch.zeros(1, k, dtype=frags.dtype), frags)
+            (launch,) = recorded
+            launch[2]["NO_ASM"] = False  # the assembly, as on an sm_80-or-later GPU
             reports[name] = compile_launch(*launch, Path(tmp))["ptxas"]
     return reports
 
@@ -93,7 +108,7 @@ def test_packed_matmul_compiles_for_sm90_without_spills():
         shutil.rmtree(_child[1], ignore_errors=True)
     assert process.returncode == 0, stderr[-3000:]
     reports = json.loads(stdout)
-    assert set(reports) == set(LAUNCHES)
+    assert set(reports) == set(LAUNCHES) | set(FRAGMENT_LAUNCHES)
     for name, ptxas in reports.items():
         assert "Used" in ptxas and "spill" in ptxas, name
         assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, f"{name}: {ptxas}"

@@ -1,7 +1,7 @@
 """Where the Triton kernels may run inline PTX: not under Triton's CPU interpreter (which runs no
 assembly), and, for the int4 GEMV's bfloat16x2 arithmetic (quant/kernel.py's `_pair_dots`) and
-the MXFP4 GEMV's bfloat16 mma.sync (mxfp4_mma.py), only on compute capability 8.0 and later.
-Where it may not, those kernels compute the same sums in float32 Triton operations."""
+the fragment GEMV's mma.sync (frag_gemv.py: MXFP4 and int4), only on compute capability 8.0 and
+later. Where it may not, those kernels compute the same sums in float32 Triton operations."""
 
 from __future__ import annotations
 

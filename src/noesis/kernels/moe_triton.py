@@ -7,7 +7,7 @@ so a CUDA graph captures them:
 - few pairs (decode): each pair is its own row, a GEMV against its expert's weights. gate_up
   and down run over (pair, column block) programs (at batch 1 a token's k experts side by
   side, not one after another); down writes each pair's weighted row in float32 and a small
-  kernel sums the k slots in order. MXFP4 fragments run `mxfp4_mma.frag_gemv` (inline
+  kernel sums the k slots in order. MXFP4 fragments run `frag_gemv.frag_gemv` (inline
   mma.sync) here, for a bfloat16 x; other dtypes take the sorted layout.
 - more pairs: the pairs are sorted by expert on the device into blocks of BLOCK_M rows, each
   expert's rows padded to a whole block in buffers sized for the worst case (as fused-MoE
@@ -31,7 +31,8 @@ import triton.language as tl
 
 from noesis.kernels import pdl
 from noesis.kernels.asm import bf16x2_asm, word_aligned
-from noesis.kernels.mxfp4_mma import frag_gemv, frag_tile
+from noesis.kernels.frag_gemv import frag_gemv
+from noesis.kernels.mxfp4_mma import frag_tile
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import _or
 from noesis.weights.mxfp4 import Mxfp4Fragments, Mxfp4Weight
@@ -447,7 +448,7 @@ def _pair_frag_gemv(x_ptr, PAIRS_A_ROW: tl.constexpr, ids_ptr, w_ptr, s_ptr, NT:
     x_row = x_ptr + (pair // PAIRS_A_ROW).to(tl.int64) * K
     tile0 = tl.program_id(1) * WARPS
     sums_g, sums_h = frag_gemv(x_row, w_ptr, s_ptr, expert, tile0, NT, KC, K, WARPS, KSPLIT, CH,
-                               NO_ASM)  # fmt: skip
+                               NO_ASM, 0, 1, 1)  # fmt: skip  (FORMAT 0: MXFP4)
     if PDL:
         gdc_launch_dependents()
     return pair, expert, tile0, sums_g, sums_h

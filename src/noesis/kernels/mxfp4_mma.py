@@ -1,4 +1,5 @@
-"""MXFP4 experts laid out as tensor-core fragments, and the decode GEMV over them.
+"""MXFP4 experts laid out as tensor-core fragments: one chunk's arithmetic for the decode GEMV
+(kernels/frag_gemv.py runs the loop, shared with int4), and the sorted layout's tile decode.
 
 A GEMV of one token against MXFP4 weights spends its instructions on turning codes into
 numbers: the bfloat16x2 CUDA-core GEMV this replaced took about 3.6 a code. Here the weights are
@@ -30,7 +31,8 @@ products stay normal, and the sums 2^26 back. The four (sign, magnitude) rotatio
 for the fewest ALU-pipe operations (plain left shifts are written as multiplies: the FMA pipe).
 
 The sorted layout (more pairs) decodes a chunk of tiles to values for a tl.dot (`frag_tile`),
-both rows of a word from one load.
+both rows of a word from one load. The GEMV's loop over tiles, chunks, lanes and warps is
+frag_gemv.py's (FORMAT 0).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ mul.lo.u32 p, {w}, 64; and.b32 a3, p, m;
 """
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{{{d}0, {d}1, {d}2, {d}3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n")  # fmt: skip
-_CHUNK_ASM = tl.constexpr(
+MXFP4_CHUNK_ASM = tl.constexpr(
     "{\n.reg .b32 s, z, m, ms, mm, p, q, a0, a1, a2, a3, x0, x1, x2, x3, x4, x5, x6, x7, f;\n"
     ".reg .f32 zf, d0, d1, d2, d3, e0, e1, e2, e3;\n"
     "mov.b32 s, 0x71807180; mov.b32 z, 0x80008000; mov.b32 m, 0x81C081C0;\n"
@@ -70,90 +72,8 @@ _CHUNK_ASM = tl.constexpr(
 
 
 @triton.jit
-def frag_gemv(x_row, w_ptr, s_ptr, expert, tile0, NT: tl.constexpr, KC: tl.constexpr,
-              K: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr, CH: tl.constexpr,
-              NO_ASM: tl.constexpr):  # fmt: skip
-    """Tiles tile0 .. tile0 + WARPS - 1 of expert's fragment-layout weights times a bfloat16
-    x_row -> (sums of rows g, sums of rows g + 8) [WARPS * 32] float32, lane-major (tile w's
-    lane 4g + t at 32w + 4g + t; the four t hold the same sums). WARPS * KSPLIT warps: KSPLIT
-    of them share a tile's chunks, each CH chunks an iteration, the next iteration's loaded
-    while this one computes; their sums meet at the end."""
-    LANES: tl.constexpr = WARPS * 32
-    SPAN: tl.constexpr = KSPLIT * CH  # chunks an iteration
-    m = tl.arange(0, CH * KSPLIT * LANES)
-    c_in = (m // (KSPLIT * LANES)) + CH * ((m // LANES) % KSPLIT)  # the chunk in an iteration
-    lane = m % 32
-    tile = tile0 + (m // 32) % WARPS
-    tile_ok = tile < NT
-    base = (expert * NT + tile.to(tl.int64)) * KC
-    xw = x_row.to(tl.pointer_type(tl.uint32))
-    zero = tl.zeros((CH * KSPLIT * LANES,), tl.float32)
-    sum_g, sum_h = zero, zero
-    w, xa, xb, sw = _frag_load(w_ptr, s_ptr, xw, base, tile_ok, c_in, lane, K, KC)
-    for c0 in range(0, KC, SPAN):  # (two iterations ahead measured slower, RESULTS.md)
-        nw, nxa, nxb, nsw = _frag_load(w_ptr, s_ptr, xw, base, tile_ok, c0 + SPAN + c_in, lane,
-                                       K, KC)  # fmt: skip
-        sum_g, sum_h = _frag_chunk(w, xa, xb, sw, sum_g, sum_h, NO_ASM)
-        w, xa, xb, sw = nw, nxa, nxb, nsw
-    sum_g = tl.sum(tl.reshape(sum_g, (CH * KSPLIT, LANES)), axis=0) * 67108864.0  # 2^26
-    sum_h = tl.sum(tl.reshape(sum_h, (CH * KSPLIT, LANES)), axis=0) * 67108864.0
-    if NO_ASM:  # each lane summed its own columns; the mma sums over the four lanes t
-        sum_g, sum_h = _over_t(sum_g), _over_t(sum_h)
-    return sum_g, sum_h
-
-
-@triton.jit
-def _over_t(sums):
-    """[LANES] per-lane sums -> the sum of each four lanes t = 0..3, in each of them."""
-    LANES: tl.constexpr = sums.shape[0]
-    four = tl.sum(tl.reshape(sums, (LANES // 4, 4)), axis=1)
-    return tl.reshape(tl.broadcast_to(four[:, None], (LANES // 4, 4)), (LANES,))
-
-
-@triton.jit
-def _frag_load(w_ptr, s_ptr, xw, base, tile_ok, c, lane, K: tl.constexpr, KC: tl.constexpr):
-    """Chunk c of each element's tile: its lane's four words [M, 4], x's two runs [M, 4] each as
-    bfloat16 pairs (0 past K), and its scale word [M]."""
-    ok = tile_ok & (c < KC)
-    quad = tl.arange(0, 4)[None, :]
-    at = (((base + c) * 32 + lane) * 4)[:, None] + quad
-    words = tl.load(w_ptr + at, mask=ok[:, None], other=0)
-    x_at = (c * 32 + (lane % 4) * 4)[:, None] + quad
-    xa = tl.load(xw + x_at, mask=ok[:, None] & (x_at < K // 2), other=0)
-    xb = tl.load(xw + x_at + 16, mask=ok[:, None] & (x_at + 16 < K // 2), other=0)
-    sw = tl.load(s_ptr + (base + c) * 8 + lane // 4, mask=ok, other=0)
-    return words, xa, xb, sw
-
-
-@triton.jit
-def _frag_chunk(words, xa, xb, sw, sum_g, sum_h, NO_ASM: tl.constexpr):
-    w0, w1, w2, w3 = _quad(words)
-    x0, x1, x2, x3 = _quad(xa)
-    x4, x5, x6, x7 = _quad(xb)
-    if NO_ASM:
-        sum_g, sum_h = _chunk_sums(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, sw, sum_g,
-                                   sum_h)  # fmt: skip
-    else:
-        sum_g, sum_h = tl.inline_asm_elementwise(
-            _CHUNK_ASM, "=f,=f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [sum_g, sum_h, w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, sw],
-            dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
-        )  # fmt: skip
-    return sum_g, sum_h
-
-
-@triton.jit
-def _quad(t):
-    """[M, 4] -> its four columns."""
-    even, odd = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))
-    a, c = tl.split(even)
-    b, d = tl.split(odd)
-    return a, b, c, d
-
-
-@triton.jit
-def _chunk_sums(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, sw, sum_g, sum_h):
-    """`_CHUNK_ASM`'s sums in float32 Triton operations (the interpreter, GPUs before sm_80):
+def mxfp4_chunk_sums(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, sw, sum_g, sum_h):
+    """`MXFP4_CHUNK_ASM`'s sums in float32 Triton operations (the interpreter, GPUs before sm_80):
     word j's columns e meet x's pair (2 (j % 2) + e // 2) of run j // 2."""
     sum_g += _word_dot(w0, x0, x1, 0) * _scale(sw, 0) + _word_dot(w1, x2, x3, 0) * _scale(sw, 0)
     sum_g += _word_dot(w2, x4, x5, 0) * _scale(sw, 1) + _word_dot(w3, x6, x7, 0) * _scale(sw, 1)

@@ -33,7 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+from noesis.kernels import pdl
 from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
+from noesis.kernels.frag_gemv import INT4_BF16, INT4_F16, frag_gemv
+from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
+from noesis.quant.int4_fragments import Int4Fragments
 
 DECODE_ROWS = 16  # rows 2..DECODE_ROWS share one tuned config (one 16-row tile)
 BATCH_ROWS = 128  # batches up to this many rows take the decode launch; longer ones prefill's
@@ -41,6 +45,10 @@ BATCH_BUCKET = 64  # rows DECODE_ROWS+1..BATCH_ROWS share the config tuned at th
 MAX_BLOCK_M = 64  # rows of x per decode program; 128 rows run as two programs along M
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs: the default split aims at this
 CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
+# The int4 fragment GEMV (kernels/frag_gemv.py over quant/int4_fragments.py): tiles of 16 rows a
+# program, warps sharing a tile's chunks, chunks of 64 columns a warp's iteration. MXFP4's best
+# on the H200, not yet swept for int4 (benchmarks/int4_fragments.py --tiles).
+FRAG_TILES = (1, 4, 2)
 
 
 @dataclass(frozen=True)
@@ -570,3 +578,52 @@ def _prefill(x, qweight, scales, qzeros, groups, bits, group_size, mins):
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
     return y
+
+
+def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
+                  tiles: tuple[int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments (the tensor
+    cores' mma.sync on sm_80 and later; the same sums in float32 Triton operations elsewhere),
+    each row of x its own programs (decode: every row reads the weights again). `tiles`
+    overrides FRAG_TILES (the sweep's)."""
+    m, k = x.shape
+    if x.dtype != frags.dtype or k != frags.in_features:
+        raise ValueError(f"x {list(x.shape)} {x.dtype} does not match int4 fragments of "
+                         f"{frags.in_features} {frags.dtype} inputs")  # fmt: skip
+    x = word_aligned(x.contiguous())
+    warps, split, chunks = tiles or FRAG_TILES
+    n = frags.out_features
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _int4_frag_gemv[(m, triton.cdiv(frags.tiles, warps))](
+            x, frags.words, frags.params, y, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
+            NG=frags.groups, GC=frags.group_size // 64, WARPS=warps, KSPLIT=split, CH=chunks,
+            NO_ASM=not bf16x2_asm(x.device),
+            FORMAT=INT4_F16 if x.dtype == torch.float16 else INT4_BF16,
+            num_warps=warps * split, **pdl.pdl_launch(x),
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _int4_frag_gemv(
+    x_ptr, w_ptr, p_ptr, out_ptr, N: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
+    K: tl.constexpr, NG: tl.constexpr, GC: tl.constexpr, WARPS: tl.constexpr,
+    KSPLIT: tl.constexpr, CH: tl.constexpr, NO_ASM: tl.constexpr, FORMAT: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """out[r, rows] = x[r] @ W[rows].T for WARPS tiles of 16 rows, rounded to out's dtype."""
+    if PDL:
+        gdc_wait()  # x
+    r = tl.program_id(0).to(tl.int64)
+    tile0 = tl.program_id(1) * WARPS
+    sum_g, sum_h = frag_gemv(x_ptr + r * K, w_ptr, p_ptr, 0, tile0, NT, KC, K, WARPS, KSPLIT,
+                             CH, NO_ASM, FORMAT, GC, NG)  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+    m = tl.arange(0, WARPS * 32)
+    rows = (tile0 + m // 32) * 16 + (m % 32) // 4
+    ok = m % 4 == 0
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + r * N + rows, sum_g.to(dtype), mask=ok & (rows < N))
+    tl.store(out_ptr + r * N + rows + 8, sum_h.to(dtype), mask=ok & (rows + 8 < N))

@@ -85,7 +85,12 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
     grouped = values.to(torch.int64).reshape(*values.shape[:-1], -1, pack_count)
     words = (grouped << shifts).sum(-1)  # disjoint bit fields: the sum is their OR
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return as_int32(words)
+
+
+def as_int32(t: torch.Tensor) -> torch.Tensor:
+    """int64 holding 32-bit patterns -> the same bits as int32."""
+    return torch.where(t >= 1 << 31, t - (1 << 32), t).to(torch.int32)
 
 
 def awq_checkpoint(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from noesis.quant.packing import as_int32
+
 # E2M1 code -> value: sign bit, then two exponent bits and one mantissa bit.
 FP4_VALUES = (
     0.0,
@@ -235,12 +237,12 @@ def to_fragments(
             code = codes[..., h, col]
             word |= ((code >> 3) & 1) << sign
             word |= (code & 7) << mag
-    words = _as_int32(word).reshape(experts, tiles, chunks, 32, 4)
+    words = as_int32(word).reshape(experts, tiles, chunks, 32, 4)
     # exps[e, T, h, g, c, b] -> (e, T, c, g) with byte 2h + b
     exps = exps.reshape(experts, tiles, 2, 8, chunks, 2).permute(0, 1, 4, 3, 2, 5).long()
     shifts = 8 * torch.arange(4, device=device)
     packed = (exps.reshape(experts, tiles, chunks, 8, 4) << shifts).sum(-1)
-    return words.contiguous(), _as_int32(packed).contiguous()
+    return words.contiguous(), as_int32(packed).contiguous()
 
 
 def from_fragments(words: torch.Tensor, scales: torch.Tensor, n: int, k: int,
@@ -269,7 +271,3 @@ def from_fragments(words: torch.Tensor, scales: torch.Tensor, n: int, k: int,
 def _pad(t: torch.Tensor, pad: tuple[int, ...], value: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, pad, value=value) if any(pad) else t
 
-
-def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    """int64 holding 32-bit patterns -> the same bits as int32."""
-    return torch.where(t >= 1 << 31, t - (1 << 32), t).to(torch.int32)

@@ -1,0 +1,107 @@
+"""int4 GEMVs over tensor-core fragments (quant/int4_fragments.py, kernels/frag_gemv.py) against
+the stored layout's GEMV (quant/kernel.py `_packed_gemv`, its tuned configs) on the lent GPU:
+the 8B Llama shape's four projections (AWQ-style int4, groups of 128, bfloat16 by default), one
+row of x, `--layers` distinct random layers per projection so that the weights stream from
+memory, each variant replayed from one CUDA graph and checked against dequantize-then-matmul
+first. The roofline is the bytes read (codes, scales, zero points: the same in both layouts)
+over the copy bandwidth measured in the same run.
+
+    python benchmarks/int4_fragments.py [--tiles] [--dtype float16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_moe import copy_bandwidth, time_ms  # noqa: E402
+
+from noesis.quant import kernel  # noqa: E402
+from noesis.quant.int4_fragments import Int4Fragments  # noqa: E402
+from noesis.quant.linear import dequantize, group_index  # noqa: E402
+from noesis.quant.packing import pack  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+GROUP = 128
+SWEEP = [(1, 4, 2), (1, 4, 4), (1, 8, 1), (2, 4, 2), (1, 2, 4), (2, 2, 2), (4, 2, 2), (1, 8, 2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--tiles", action="store_true", help="also sweep FRAG_TILES")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = {name: [_projection(gen, n, k, dtype) for _ in range(args.layers)]
+              for name, (n, k) in SHAPES.items()}  # fmt: skip
+    xs = {k: torch.randn(1, k, device="cuda", generator=gen).to(dtype) for _, k in SHAPES.values()}
+    bandwidth = copy_bandwidth("cuda", 1 << 30)
+    variants = {"stored layout": None, f"fragments {kernel.FRAG_TILES}": kernel.FRAG_TILES}
+    if args.tiles:
+        variants |= {f"fragments {t}": t for t in SWEEP if t != kernel.FRAG_TILES}
+    print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
+          f"{args.layers} layers of each projection, int4 g{GROUP}, {args.dtype}, one row")
+    rows = []
+    for label, tiles in variants.items():
+        row = {"variant": label, "us": {}, "share": {}, "error": {}}
+        for name, projections in layers.items():
+            x = xs[SHAPES[name][1]]
+            row["error"][name] = _error(x, projections[0], tiles)
+            ms = time_ms(lambda p=projections, x=x, t=tiles: [_run(x, q, t) for q in p], args.iters,
+                         "cuda", graph=True)  # fmt: skip
+            read = sum(q["bytes"] for q in projections)
+            row["us"][name] = ms * 1e3 / args.layers
+            row["share"][name] = read / bandwidth / (ms / 1e3)
+        row["us"]["layer"] = sum(row["us"].values())
+        layer_bytes = sum(layers[name][0]["bytes"] for name in SHAPES)
+        row["share"]["layer"] = layer_bytes / bandwidth / (row["us"]["layer"] / 1e6)
+        rows.append(row)
+    names = [*SHAPES, "layer"]
+    print("| variant | " + " | ".join(f"{n} us (share)" for n in names) + " | max rel. error |")
+    print("|---" * (len(names) + 2) + "|")
+    for row in rows:
+        cells = " | ".join(f"{row['us'][n]:.1f} ({row['share'][n]:.0%})" for n in names)
+        print(f"| {row['variant']} | {cells} | {max(row['error'].values()):.1e} |")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "bandwidth": bandwidth, "torch": torch.__version__,
+                                         "rows": rows}, indent=1))  # fmt: skip
+
+
+def _projection(gen, n: int, k: int, dtype) -> dict:
+    groups = k // GROUP
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda", generator=gen)
+    scales = (torch.rand(n, groups, device="cuda", generator=gen) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, groups), device="cuda", generator=gen).to(dtype)
+    qweight = pack(codes, 4)
+    del codes
+    frags = Int4Fragments.pack(qweight, scales, zeros, GROUP)
+    read = qweight.numel() * 4 + scales.numel() * 2 + zeros.numel() * 2
+    return {"qweight": qweight, "scales": scales, "zeros": zeros, "frags": frags, "bytes": read}
+
+
+def _run(x, q, tiles):
+    if tiles is None:
+        return kernel.packed_matmul(x, q["qweight"], q["scales"], q["zeros"], None, 4, GROUP)
+    return kernel.fragment_gemv(x, q["frags"], tiles)
+
+
+def _error(x, q, tiles) -> float:
+    index = group_index(None, x.shape[1], GROUP, x.device)
+    weight = dequantize(q["qweight"], q["scales"].float(), q["zeros"].float(), index, 4)
+    ref = x.float() @ weight.T
+    ours = _run(x, q, tiles).float()
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
+if __name__ == "__main__":
+    main()

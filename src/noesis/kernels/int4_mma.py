@@ -1,0 +1,106 @@
+"""int4 group-quantized weights as tensor-core fragments: one chunk's arithmetic for the decode
+GEMV (kernels/frag_gemv.py runs the loop; quant/int4_fragments.py packs the layout).
+
+A word holds the eight 4-bit codes a lane contributes to one `mma.sync.m16n8k16` A fragment
+(rows g and g + 8, four columns each). Code q placed in the low four bits of a bfloat16 whose
+other bits are those of 128.0 is the number 128 + q exactly (float16: 1024.0, 1024 + q), so a
+register of two codes is one shift and one LOP3 (mask and merge) away from the word; one
+packed FMA then subtracts the row's 128 + zero, exactly, leaving q - zero. The tensor cores
+multiply those small integers by x (the B operand, the same in all eight columns) into float32
+sums, and each group's sums take the row's scale once: s (sum of (q - zero) x) is the
+projection's sum of w x with w = s (q - zero), the rounding of w to the model dtype left out.
+
+Register r of a word (rows g, g + 8, g, g + 8 for r = 0..3; columns e = 0, 1 for r < 2, e = 2,
+3 after) takes its low half's code (column e even) from bits 4r .. 4r + 3 and its high half's
+from bits 16 + 4r .. 16 + 4r + 3.
+
+Per (tile, group, g), two int32 words: the scales of rows g and g + 8 as a pair of the model
+dtype's 16-bit floats, and -(128 + zero) (float16: -(1024 + zero)) of the same rows, a pair too.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_DECODE = """
+lop3.b32 a0, {w}, m, o, 0xEA;
+shr.b32 t, {w}, 4; lop3.b32 a1, t, m, o, 0xEA;
+shr.b32 t, {w}, 8; lop3.b32 a2, t, m, o, 0xEA;
+shr.b32 t, {w}, 12; lop3.b32 a3, t, m, o, 0xEA;
+fma.rn.{ty}x2 a0, a0, one, zg; fma.rn.{ty}x2 a1, a1, one, zh;
+fma.rn.{ty}x2 a2, a2, one, zg; fma.rn.{ty}x2 a3, a3, one, zh;
+"""
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+        "{{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n")  # fmt: skip
+
+
+def _chunk_asm(ty: str, base: int, one: int, scale_lo: str, scale_hi: str) -> str:
+    """One chunk of a lane for 16-bit float type `ty`: its four words ($4-$7), x's two runs of
+    eight columns as words ($8-$11, $12-$15), the group's scale pair ($16) and -(base + zero)
+    pair ($17), and the running sums of rows g ($2) and g + 8 ($3) -> the new sums ($0, $1).
+    scale_lo / scale_hi: the scale pair's low / high float into f."""
+    body = "".join(
+        _DECODE.format(w=f"${4 + j}", ty=ty)
+        + _MMA.format(ty=ty, b0=f"${8 + 2 * j}", b1=f"${9 + 2 * j}",
+                      c="zf, zf, zf, zf" if j == 0 else "d0, d1, d2, d3")  # fmt: skip
+        for j in range(4)
+    )
+    return (
+        "{\n.reg .b32 m, o, one, zg, zh, t, a0, a1, a2, a3, sc;\n"
+        ".reg .f32 zf, f, d0, d1, d2, d3;\n.reg .b16 lo, hi;\n"
+        f"mov.b32 m, 0x000F000F; mov.b32 o, {base * 0x10001:#x}; mov.b32 one, {one * 0x10001:#x};\n"
+        "mov.f32 zf, 0f00000000;\n"
+        "prmt.b32 zg, $17, $17, 0x1010; prmt.b32 zh, $17, $17, 0x3232;\n"
+        + body
+        + "mov.b32 {lo, hi}, $16;\n"
+        + scale_lo + "fma.rn.f32 $0, d0, f, $2;\n"
+        + scale_hi + "fma.rn.f32 $1, d2, f, $3;\n}"
+    )
+
+
+# bfloat16: 128.0 is 0x4300 and 1.0 0x3F80; a bfloat16's float32 is its bits 16 places up.
+INT4_BF16_CHUNK_ASM = tl.constexpr(
+    _chunk_asm("bf16", 0x4300, 0x3F80, "shl.b32 sc, $16, 16; mov.b32 f, sc;\n",
+               "and.b32 sc, $16, 0xFFFF0000; mov.b32 f, sc;\n")
+)
+# float16: 1024.0 is 0x6400 and 1.0 0x3C00.
+INT4_F16_CHUNK_ASM = tl.constexpr(
+    _chunk_asm("f16", 0x6400, 0x3C00, "cvt.f32.f16 f, lo;\n", "cvt.f32.f16 f, hi;\n")
+)
+
+
+@triton.jit
+def int4_chunk_sums(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, pw, zw, sum_g, sum_h,
+                    F16: tl.constexpr):  # fmt: skip
+    """The chunk assembly's sums in float32 Triton operations (the interpreter, GPUs before
+    sm_80): this lane's share of each mma, word j meeting x's words 2j and 2j + 1."""
+    d_g = _word_dot(w0, x0, x1, zw, 0, F16) + _word_dot(w1, x2, x3, zw, 0, F16)
+    d_g += _word_dot(w2, x4, x5, zw, 0, F16) + _word_dot(w3, x6, x7, zw, 0, F16)
+    d_h = _word_dot(w0, x0, x1, zw, 1, F16) + _word_dot(w1, x2, x3, zw, 1, F16)
+    d_h += _word_dot(w2, x4, x5, zw, 1, F16) + _word_dot(w3, x6, x7, zw, 1, F16)
+    return sum_g + d_g * _half(pw, 0, F16), sum_h + d_h * _half(pw, 1, F16)
+
+
+@triton.jit
+def _word_dot(word, x01, x23, zw, H: tl.constexpr, F16: tl.constexpr):
+    """Row half H's four codes of a word, less the row's zero, times x's columns 0-3."""
+    minus = _half(zw, H, F16) + (1024.0 if F16 else 128.0)  # -(base + zero) + base
+    total = (_nibble(word, H) + minus) * _half(x01, 0, F16)
+    total += (_nibble(word, H + 4) + minus) * _half(x01, 1, F16)
+    total += (_nibble(word, H + 2) + minus) * _half(x23, 0, F16)
+    return total + (_nibble(word, H + 6) + minus) * _half(x23, 1, F16)
+
+
+@triton.jit
+def _nibble(word, N: tl.constexpr):
+    return ((word >> (4 * N)) & 15).to(tl.float32)
+
+
+@triton.jit
+def _half(pair, HIGH: tl.constexpr, F16: tl.constexpr):
+    """The low (HIGH 0) or high 16-bit float of a uint32 pair, as float32."""
+    bits = (pair >> (16 * HIGH)) & 0xFFFF
+    if F16:
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (bits << 16).to(tl.float32, bitcast=True)

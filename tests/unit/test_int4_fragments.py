@@ -1,0 +1,114 @@
+"""int4 group-quantized weights as tensor-core fragments (quant/int4_fragments.py,
+kernels/int4_mma.py through kernels/frag_gemv.py): the layout against the stored layout's
+dequantization, and the decode GEMV's float32 sums against float64, interpreted on the CPU (each
+lane's share of an mma in float32 Triton operations, over the operands the PTX takes). On a CUDA
+machine the same tests run the inline mma.sync."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (after TRITON_INTERPRET)
+from test_mxfp4_mma import sums_kernel  # noqa: E402
+
+from noesis.kernels.asm import bf16x2_asm  # noqa: E402
+from noesis.kernels.frag_gemv import INT4_BF16, INT4_F16  # noqa: E402
+from noesis.quant import kernel  # noqa: E402
+from noesis.quant.int4_fragments import Int4Fragments  # noqa: E402
+from noesis.quant.linear import dequantize, group_index  # noqa: E402
+from noesis.quant.packing import pack  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _int4(rows, cols, group, dtype, seed=0):
+    """A PackedLinear's int4 tensors (codes, scales, zero points) and the codes [N, K]."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32, generator=gen)
+    groups = cols // group
+    scales = (torch.rand(rows, groups, generator=gen) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (rows, groups), generator=gen).to(dtype)
+    return pack(codes, 4), scales, zeros, codes
+
+
+def _exact(codes, scales, zeros, group):
+    """(code - zero) * scale in float64 [N, K]."""
+    per = lambda t: t.double().repeat_interleave(group, dim=1)  # noqa: E731
+    return (codes.double() - per(zeros)) * per(scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, cols, group", [(48, 256, 128), (40, 192, 64), (16, 128, 128)])
+def test_the_layout_holds_every_code_scale_and_zero(dtype, rows, cols, group):
+    qweight, scales, zeros, codes = _int4(rows, cols, group, dtype, seed=rows + cols)
+    frags = Int4Fragments.pack(qweight, scales, zeros, group)
+    assert frags.words.shape == (-(-rows // 16), cols // 64, 32, 4)
+    assert frags.params.shape == (-(-rows // 16), cols // group, 8, 2)
+    assert torch.equal(frags.dequantize().double(), _exact(codes, scales, zeros, group))
+    # the stored layout's own dequantization, rounded to the dtype as it rounds
+    stored = dequantize(qweight, scales, zeros, group_index(None, cols, group, "cpu"), 4)
+    assert torch.equal(frags.dequantize(dtype), stored)
+    # a code moved by one nibble is found
+    bad = frags.words.clone()
+    bad[0, 0, 5, 1] ^= 0x10
+    moved = Int4Fragments(bad, frags.params, rows, cols, group, dtype)
+    assert not torch.equal(moved.dequantize(), frags.dequantize())
+
+
+def test_what_the_layout_cannot_hold_is_refused():
+    qweight, scales, zeros, _ = _int4(16, 128, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        Int4Fragments.pack(qweight, scales, zeros, 32)
+    qweight, scales, zeros, _ = _int4(16, 128, 128, torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        Int4Fragments.pack(qweight, scales, zeros, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, cols, group, tiles", [
+    (48, 256, 128, (1, 2, 1)), (40, 384, 64, (2, 1, 2)), (24, 128, 128, (1, 1, 1)),
+    (32, 256, 256, (1, 2, 2)),
+])  # fmt: skip
+def test_frag_gemv_sums_each_row_against_x(dtype, rows, cols, group, tiles):
+    """Every row's sum in float32 before any rounding: codes less zeros times x, each group
+    scaled once, split over lanes, chunks and warps; padding rows add nothing."""
+    qweight, scales, zeros, codes = _int4(rows, cols, group, dtype, seed=cols + group)
+    frags = Int4Fragments.pack(qweight, scales, zeros, group)
+    gen = torch.Generator().manual_seed(7)
+    for x in (torch.randn(cols, generator=gen), torch.eye(cols)[cols - 3]):
+        x = x.to(dtype).to(DEVICE)  # random, and one column: each code alone
+        warps, split, chunks = tiles
+        out = torch.zeros(frags.tiles * 16, device=DEVICE)
+        sums_kernel[(triton.cdiv(frags.tiles, warps),)](
+            x, frags.words.to(DEVICE), frags.params.to(DEVICE), out, 0, NT=frags.tiles,
+            KC=frags.chunks, K=cols, WARPS=warps, KSPLIT=split, CH=chunks,
+            NO_ASM=not bf16x2_asm(x.device), FORMAT=INT4_F16 if dtype == torch.float16
+            else INT4_BF16, GC=group // 64, NG=frags.groups, num_warps=warps * split,
+        )  # fmt: skip
+        ref = _exact(codes, scales, zeros, group) @ x.cpu().double()
+        assert torch.allclose(out[:rows].cpu().double(), ref, rtol=1e-5,
+                              atol=1e-5 * ref.abs().max())  # fmt: skip
+        assert not out[rows:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fragment_gemv_equals_the_stored_layouts_matmul(dtype):
+    """The launch wrapper over rows of x, against dequantize-then-matmul in float32 (rounded once
+    at the end; the interpreter truncates where a GPU rounds, hence 1%)."""
+    rows, cols, group = 40, 256, 128
+    qweight, scales, zeros, codes = _int4(rows, cols, group, dtype, seed=3)
+    frags = Int4Fragments.pack(qweight, scales, zeros, group)
+    frags.words, frags.params = frags.words.to(DEVICE), frags.params.to(DEVICE)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    y = kernel.fragment_gemv(x, frags)
+    assert y.shape == (3, rows) and y.dtype == dtype
+    ref = x.cpu().double() @ _exact(codes, scales, zeros, group).T
+    assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+    with pytest.raises(ValueError, match="does not match"):
+        kernel.fragment_gemv(x.float(), frags)
