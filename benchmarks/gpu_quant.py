@@ -55,6 +55,8 @@ VARIANTS = (
     # the same packed checkpoints on the fused one-row block (models.layers.PACKED_ONE_ROW)
     ("AWQ int4 g128 packed-row", "int4", "auto", False),
     ("int8 per channel packed-row", "int8", "auto", False),
+    # int4 one-row steps over tensor-core fragments (quant.linear.INT4_FRAGMENTS, experimental)
+    ("AWQ int4 g128 fragments", "int4", "auto", False),
 )
 GGUF_FILE = "model.gguf"  # the Q4_K checkpoint: this file in its directory
 PROJECTIONS = {"qkv": lambda s: (s["hidden"] + 2 * s["kv_heads"] * s["hidden"] // s["heads"],
@@ -113,7 +115,7 @@ def main() -> None:
                 continue
         model = checkpoints[kind] / GGUF_FILE if kind == "q4_k" else checkpoints[kind]
         run = (model, device, kv_dtype, batches, args.long_context if long else 0,
-               args.steps, bandwidth, name.endswith("packed-row"))
+               args.steps, bandwidth, name.endswith("packed-row"), name.endswith("fragments"))
         report["variants"][name] = guarded(bench_variant, *run)
         release_memory()
         print(name, json.dumps(report["variants"][name]), flush=True)
@@ -271,14 +273,17 @@ def gguf_tensor(name: str, dims: tuple[int, ...], rng) -> tuple:
 
 
 def bench_variant(path: Path, device: str, kv_dtype: str, batches: list[int], long_ctx: int,
-                  steps: int, bandwidth: float, packed_row: bool = False) -> dict:
+                  steps: int, bandwidth: float, packed_row: bool = False,
+                  fragments: bool = False) -> dict:
     """Steady decode tok/s at each batch (128-token prompts) and, with long_ctx, at batch 1
     after a long_ctx-token prompt; bytes per step and the roofline they allow."""
     from noesis import LLM
     from noesis.kv.cache import page_bytes
     from noesis.models import layers
+    from noesis.quant import linear
 
     layers.PACKED_ONE_ROW = packed_row
+    linear.INT4_FRAGMENTS = fragments
     t0 = time.perf_counter()
     gguf = {"gguf_weights": "packed"} if path.suffix == ".gguf" else {}
     llm = LLM(str(path), device=device, dtype="bfloat16", max_model_len=max(long_ctx, 128) + 512,

@@ -112,3 +112,50 @@ def test_fragment_gemv_equals_the_stored_layouts_matmul(dtype):
     assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
     with pytest.raises(ValueError, match="does not match"):
         kernel.fragment_gemv(x.float(), frags)
+
+
+def _packed_linear(k, n, bits, group, dtype=torch.bfloat16):
+    from noesis.quant.linear import PackedLinear
+    from noesis.quant.scheme import WeightQuant
+
+    layer = PackedLinear(k, n, False, WeightQuant("awq", bits, group)).to(dtype)
+    gen = torch.Generator().manual_seed(9)
+    groups = k // layer.group_size
+    layer.qweight.data = pack(torch.randint(0, 1 << bits, (n, k), dtype=torch.int32,
+                                            generator=gen), bits)  # fmt: skip
+    layer.scales.data = (torch.rand(n, groups, generator=gen) * 0.02 + 0.001).to(dtype)
+    layer.qzeros.data = torch.randint(0, 1 << bits, (n, groups), generator=gen).to(dtype)
+    return layer
+
+
+def test_packed_linear_decodes_one_row_from_fragments_when_asked(monkeypatch):
+    """With the fragments (quant.linear.INT4_FRAGMENTS at a CUDA load), a one-row step reads
+    them (equal to dequantize-then-matmul); two rows keep the stored layout's kernel (only the
+    dispatch is checked there: the interpreter's bfloat16 arithmetic is wrong in it)."""
+    from noesis.kernels import ops
+    from noesis.quant import linear
+
+    layer = _packed_linear(256, 48, 4, 128).to(DEVICE)
+    assert linear.fragment_projections(torch.nn.Sequential(layer)) == 1
+    assert torch.equal(layer.fragments.dequantize(torch.bfloat16), layer.dequantize().cpu())
+    if DEVICE == "cpu":
+        monkeypatch.setattr(ops, "use_triton", lambda x: True)  # the CUDA dispatch, interpreted
+    stored = []
+    monkeypatch.setattr(kernel, "packed_matmul",
+                        lambda x, *a: stored.append(x.shape[0]) or x.new_zeros(x.shape[0], 48))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEVICE)
+    ref = x.double() @ layer.dequantize().double().T
+    assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max())
+    assert stored == []
+    layer(torch.randn(2, 256, generator=gen).bfloat16().to(DEVICE))
+    assert stored == [2]
+
+
+def test_only_fitting_projections_take_fragments():
+    assert not _packed_linear(256, 32, 8, 128).use_fragments()  # int8
+    assert not _packed_linear(256, 32, 4, 32).use_fragments()  # groups of 32
+    assert not _packed_linear(256, 32, 4, 128, torch.float32).use_fragments()
+    act_order = _packed_linear(256, 32, 4, 128)
+    act_order.act_order = True
+    assert not act_order.use_fragments() and act_order.fragments is None

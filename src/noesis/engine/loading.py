@@ -14,6 +14,7 @@ from noesis.models.capabilities import RUNNABLE, check_load
 from noesis.models.config import ModelConfig
 from noesis.models.decoder import DecoderLM
 from noesis.models.registry import model_class
+from noesis.quant import linear as quant_linear
 from noesis.tokenizer import Tokenizer
 from noesis.weights import mxfp4
 from noesis.weights.files import CONFIG_MAX_BYTES, read_json_file
@@ -151,6 +152,8 @@ def load_model(
         bytes_read = load_weights(module, config, model_dir, progress=progress, clock=clock)
     if config.moe is not None and config.moe.mxfp4 and mxfp4.keeps_packed(device):
         mxfp4.fragment_experts(module)  # the layout the experts kernels read
+    if device.type == "cuda" and quant_linear.INT4_FRAGMENTS:
+        quant_linear.fragment_projections(module)  # an experiment, off by default
     module.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the copies are done: place_s is the whole placement

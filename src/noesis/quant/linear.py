@@ -16,12 +16,20 @@ from torch import nn
 from noesis.errors import CheckpointMismatch, UnsupportedModel
 from noesis.kernels import ops
 from noesis.models.config import ModelConfig
+from noesis.quant.int4_fragments import CHUNK, Int4Fragments
 from noesis.quant.packing import unpack
 from noesis.quant.scheme import WeightQuant, weight_quant
 
 # Dequantized elements per tile of the portable path: bounds its temporary memory (64 MiB of
 # float32 at most, several temporaries of it) whatever the projection's size.
 TILE_ELEMENTS = 1 << 22
+# Experimental (issue 19): a CUDA load also lays each eligible int4 projection's codes out as
+# tensor-core fragments (quant/int4_fragments.py, `fragment_projections`), and steps of up to
+# FRAGMENT_ROWS rows read those (kernel.fragment_gemv); more rows keep the stored layout. Off
+# until it is measured winning (benchmarks/int4_fragments.py; gpu_quant.py's "fragments"
+# variant turns it on): it holds the codes twice.
+INT4_FRAGMENTS = False
+FRAGMENT_ROWS = 1
 
 
 class PackedLinear(nn.Module):
@@ -54,6 +62,7 @@ class PackedLinear(nn.Module):
         # Whether groups follow g_idx (GPTQ act-order) rather than the column order; decided by
         # check_loaded from the loaded table, so that ordered checkpoints take the faster path.
         self.act_order = False
+        self.fragments: Int4Fragments | None = None  # use_fragments (INT4_FRAGMENTS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # [T, K]
@@ -61,13 +70,29 @@ class PackedLinear(nn.Module):
         if ops.use_triton(flat):
             from noesis.quant import kernel
 
-            y = kernel.packed_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
-                                     self.bits, self.group_size)
+            frags = self.fragments
+            if (frags is not None and flat.shape[0] <= FRAGMENT_ROWS
+                    and flat.dtype == frags.dtype):  # fmt: skip
+                y = kernel.fragment_gemv(flat, frags)
+            else:
+                y = kernel.packed_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
+                                         self.bits, self.group_size)
         else:
             y = dequantized_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
                                    self.bits, self.group_size)
         y = y.view(*x.shape[:-1], self.out_features)  # [..., N]
         return y if self.bias is None else y + self.bias
+
+    def use_fragments(self) -> bool:
+        """Also hold the codes as tensor-core fragments (INT4_FRAGMENTS), if this projection
+        fits them: int4, groups in column order of a multiple of 64 columns, 16-bit float
+        scales. Whether it did."""
+        fits = (self.bits == 4 and not self.act_order and self.group_size % CHUNK == 0
+                and self.scales.dtype in (torch.bfloat16, torch.float16))  # fmt: skip
+        if fits:
+            self.fragments = Int4Fragments.pack(self.qweight, self.scales, self.qzeros,
+                                                self.group_size)  # fmt: skip
+        return fits
 
     def whole_tile_groups(self) -> bool:
         """Whether every K tile of a power-of-two width holds whole groups or lies inside one,
@@ -103,6 +128,12 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}")
+
+
+def fragment_projections(model: nn.Module) -> int:
+    """Every int4 PackedLinear of a loaded `model` that fits the fragment layout gets it
+    (`PackedLinear.use_fragments`); returns how many."""
+    return sum(m.use_fragments() for m in model.modules() if type(m) is PackedLinear)
 
 
 def projection(config: ModelConfig, in_features: int, out_features: int, bias: bool,
