@@ -28,7 +28,10 @@ from noesis.quant.packing import pack  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
-SWEEP = [(1, 4, 2), (1, 4, 4), (1, 8, 1), (2, 4, 2), (1, 2, 4), (2, 2, 2), (4, 2, 2), (1, 8, 2)]
+# (tiles a program, warps a tile, chunks a warp's iteration): down and o have 256 tiles only,
+# so their programs need more warps along K to fill the GPU than gate_up's 1,792
+SWEEP = [(1, 4, 2), (1, 4, 4), (1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 16, 1), (1, 16, 2),
+         (2, 4, 2), (2, 2, 2), (4, 2, 2)]
 
 
 def main() -> None:
