@@ -114,6 +114,23 @@ def test_fragment_gemv_equals_the_stored_layouts_matmul(dtype):
         kernel.fragment_gemv(x.float(), frags)
 
 
+@pytest.mark.parametrize("rows, n, k, group", [(5, 40, 256, 128), (20, 48, 192, 64)])
+def test_fragment_matmul_equals_dequantize_then_matmul(rows, n, k, group):
+    """Many rows through tl.dot over decoded fragment tiles (float16: the interpreter's
+    bfloat16 tl.dot is wrong; a GPU runs both)."""
+    dtypes = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+    for dtype in dtypes:
+        qweight, scales, zeros, codes = _int4(n, k, group, dtype, seed=rows)
+        frags = Int4Fragments.pack(qweight, scales, zeros, group)
+        frags.words, frags.params = frags.words.to(DEVICE), frags.params.to(DEVICE)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+        y = kernel.fragment_matmul(x.to(DEVICE), frags)
+        assert y.shape == (rows, n) and y.dtype == dtype
+        weight = frags.dequantize(dtype).double()  # rounded as the kernel rounds it
+        ref = x.double() @ weight.T
+        assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+
+
 def _packed_linear(k, n, bits, group, dtype=torch.bfloat16):
     from noesis.quant.linear import PackedLinear
     from noesis.quant.scheme import WeightQuant
@@ -130,8 +147,9 @@ def _packed_linear(k, n, bits, group, dtype=torch.bfloat16):
 
 def test_packed_linear_decodes_one_row_from_fragments_when_asked(monkeypatch):
     """With the fragments (quant.linear.INT4_FRAGMENTS at a CUDA load), a one-row step reads
-    them (equal to dequantize-then-matmul); two rows keep the stored layout's kernel (only the
-    dispatch is checked there: the interpreter's bfloat16 arithmetic is wrong in it)."""
+    them through the mma GEMV (equal to dequantize-then-matmul), two rows through the fragment
+    matmul (only the dispatch is checked here: the interpreter's bfloat16 tl.dot is wrong), and
+    the stored layout's kernel is not called."""
     from noesis.kernels import ops
     from noesis.quant import linear
 
@@ -140,16 +158,16 @@ def test_packed_linear_decodes_one_row_from_fragments_when_asked(monkeypatch):
     assert torch.equal(layer.fragments.dequantize(torch.bfloat16), layer.dequantize().cpu())
     if DEVICE == "cpu":
         monkeypatch.setattr(ops, "use_triton", lambda x: True)  # the CUDA dispatch, interpreted
-    stored = []
-    monkeypatch.setattr(kernel, "packed_matmul",
-                        lambda x, *a: stored.append(x.shape[0]) or x.new_zeros(x.shape[0], 48))
+    stored, matmul = [], []
+    monkeypatch.setattr(kernel, "packed_matmul", lambda x, *a: stored.append(x.shape[0]))
+    monkeypatch.setattr(kernel, "fragment_matmul",
+                        lambda x, f: matmul.append(x.shape[0]) or x.new_zeros(x.shape[0], 48))
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, 256, generator=gen).bfloat16().to(DEVICE)
     ref = x.double() @ layer.dequantize().double().T
     assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max())
-    assert stored == []
     layer(torch.randn(2, 256, generator=gen).bfloat16().to(DEVICE))
-    assert stored == [2]
+    assert (stored, matmul) == ([], [2])
 
 
 def test_only_fitting_projections_take_fragments():

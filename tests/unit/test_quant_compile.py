@@ -31,10 +31,12 @@ LAUNCHES = {
     "decode int8 split": (16, 4096, 14336, 8, -1, False, (32, 128, 4, 4, 3, True)),
     "prefill int4 g128": (300, 4096, 4096, 4, 128, False, None),
 }
-# The int4 fragment GEMV's inline mma.sync (quant/int4_fragments.py): (N, K, group, dtype)
+# The int4 fragment kernels (quant/int4_fragments.py): the GEMV's inline mma.sync (1 row) and
+# the tl.dot matmul (more): (rows, N, K, group, dtype)
 FRAGMENT_LAUNCHES = {
-    "decode int4 fragments bf16 g128": (14336 * 2, 4096, 128, "bfloat16"),
-    "decode int4 fragments f16 g64": (4096, 14336, 64, "float16"),
+    "decode int4 fragments bf16 g128": (1, 14336 * 2, 4096, 128, "bfloat16"),
+    "decode int4 fragments f16 g64": (1, 4096, 14336, 64, "float16"),
+    "prefill int4 fragments bf16 g128": (300, 4096, 4096, 128, "bfloat16"),
 }
 
 
@@ -54,7 +56,8 @@ def compile_all() -> dict[str, str]:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: recorded.append((self.real, args, kwargs))
 
-    for name in ("_packed_gemv", "_packed_gemv_dot", "_packed_matmul", "_int4_frag_gemv"):
+    for name in ("_packed_gemv", "_packed_gemv_dot", "_packed_matmul", "_int4_frag_gemv",
+                 "_int4_frag_matmul"):
         setattr(kernel, name, Recorder(getattr(kernel, name)))
     bf16 = torch.bfloat16
     reports = {}
@@ -71,14 +74,16 @@ def compile_all() -> dict[str, str]:
             )
             (launch,) = recorded
             reports[name] = compile_launch(*launch, Path(tmp))["ptxas"]
-        for name, (n, k, group, dtype) in FRAGMENT_LAUNCHES.items():
+        for name, (m, n, k, group, dtype) in FRAGMENT_LAUNCHES.items():
             recorded.clear()
             frags = Int4Fragments(torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32),
                                   torch.zeros(n // 16, k // group, 8, 2, dtype=torch.int32),
                                   n, k, group, getattr(torch, dtype))  # fmt: skip
-            kernel.fragment_gemv(torch.zeros(1, k, dtype=frags.dtype), frags)
+            x = torch.zeros(m, k, dtype=frags.dtype)
+            (kernel.fragment_gemv if m == 1 else kernel.fragment_matmul)(x, frags)
             (launch,) = recorded
-            launch[2]["NO_ASM"] = False  # the assembly, as on an sm_80-or-later GPU
+            if "NO_ASM" in launch[2]:
+                launch[2]["NO_ASM"] = False  # the assembly, as on an sm_80-or-later GPU
             reports[name] = compile_launch(*launch, Path(tmp))["ptxas"]
     return reports
 

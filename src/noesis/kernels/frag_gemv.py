@@ -20,8 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from noesis.kernels.int4_mma import INT4_BF16_CHUNK_ASM, INT4_F16_CHUNK_ASM, int4_chunk_sums
-from noesis.kernels.mxfp4_mma import MXFP4_CHUNK_ASM, mxfp4_chunk_sums
+from noesis.kernels.int4_mma import (
+    INT4_BF16_CHUNK_ASM,
+    INT4_F16_CHUNK_ASM,
+    int4_chunk_sums,
+    int4_frag_tile,
+)
+from noesis.kernels.mxfp4_mma import MXFP4_CHUNK_ASM, frag_tile, mxfp4_chunk_sums
 
 MXFP4, INT4_BF16, INT4_F16 = 0, 1, 2  # FORMAT
 INT4_CONSTRAINTS = tl.constexpr("=f,=f,f,f" + ",r" * 14)  # sums out; sums, 4 + 8 + 2 words in
@@ -124,6 +129,30 @@ def _frag_chunk(words, xa, xb, sw, sum_g, sum_h, NO_ASM: tl.constexpr, FORMAT: t
                 INT4_BF16_CHUNK_ASM, INT4_CONSTRAINTS, operands, dtype=(tl.float32, tl.float32),
                 is_pure=True, pack=1)  # fmt: skip
     return sum_g, sum_h
+
+
+@triton.jit
+def frag_matmul(x_rows, x_ok, w_ptr, s_ptr, expert, tile0, NT: tl.constexpr, KC: tl.constexpr,
+                K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                PRECISION: tl.constexpr, FORMAT: tl.constexpr, GC: tl.constexpr,
+                NG: tl.constexpr):  # fmt: skip
+    """x[BLOCK_M rows at x_rows] @ fragment tiles tile0 .. tile0 + TILES - 1 -> their rows g and
+    their rows g + 8, [BLOCK_M, 8 TILES] float32 each: a chunk of 64 columns an iteration,
+    decoded to weights in x's dtype for two tl.dots (many rows; frag_gemv is the one-row
+    path)."""
+    low = tl.zeros((BLOCK_M, 8 * TILES), tl.float32)
+    high = tl.zeros((BLOCK_M, 8 * TILES), tl.float32)
+    for c in range(0, KC):
+        if FORMAT == 0:
+            w_low, w_high, cols = frag_tile(w_ptr, s_ptr, expert, tile0, c, NT, KC, TILES)
+        else:
+            w_low, w_high, cols = int4_frag_tile(w_ptr, s_ptr, expert, tile0, c, NT, KC, TILES,
+                                                 GC, NG, FORMAT == 2)  # fmt: skip
+        x = tl.load(x_rows[:, None] + cols[None, :], mask=x_ok[:, None] & (cols < K)[None, :],
+                    other=0.0)  # fmt: skip
+        low = tl.dot(x, tl.trans(w_low.to(x.dtype)), low, input_precision=PRECISION)
+        high = tl.dot(x, tl.trans(w_high.to(x.dtype)), high, input_precision=PRECISION)
+    return low, high
 
 
 @triton.jit

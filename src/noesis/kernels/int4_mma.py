@@ -104,3 +104,40 @@ def _half(pair, HIGH: tl.constexpr, F16: tl.constexpr):
     if F16:
         return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def int4_frag_tile(w_ptr, p_ptr, expert, tile0, c, NT: tl.constexpr, KC: tl.constexpr,
+                   TILES: tl.constexpr, GC: tl.constexpr, NG: tl.constexpr,
+                   F16: tl.constexpr):  # fmt: skip
+    """Chunk c of tiles tile0 .. tile0 + TILES - 1 as float32 weights s (q - zero) for a tl.dot:
+    rows g [8 TILES, 64] and rows g + 8 (row 8T + g of each, 0 past the last tile), columns
+    in the words' order k' = 4 (4t + j) + e, and the chunk's columns [64] they stand for, 64c
+    + 32 (j // 2) + 8t + 4 (j % 2) + e (mxfp4_mma.frag_tile's order)."""
+    r = tl.arange(0, 8 * TILES)
+    tile = tile0 + r // 8
+    ok = tile < NT
+    row_tile = expert * NT + tile.to(tl.int64)
+    q = tl.arange(0, 16)  # a lane's t and word j: 4t + j
+    at = ((row_tile * KC + c) * 128 + 16 * (r % 8))[:, None] + q[None, :]
+    words = tl.load(w_ptr + at, mask=ok[:, None], other=0)
+    p_at = ((row_tile * NG + c // GC) * 8 + r % 8) * 2
+    pw = tl.load(p_ptr + p_at, mask=ok, other=0)
+    zw = tl.load(p_ptr + p_at + 1, mask=ok, other=0)
+    rows_g = _half_tile(words, pw, zw, 0, TILES, F16)
+    rows_h = _half_tile(words, pw, zw, 1, TILES, F16)
+    k = tl.arange(0, 64)
+    t, j = k // 16, (k // 4) % 4
+    return rows_g, rows_h, 64 * c + 32 * (j // 2) + 8 * t + 4 * (j % 2) + k % 4
+
+
+@triton.jit
+def _half_tile(words, pw, zw, H: tl.constexpr, TILES: tl.constexpr, F16: tl.constexpr):
+    """Row half H's weights [8 TILES, 64] of a chunk's words [8 TILES, 16]: columns e = 0..3 of
+    each word from nibbles H, H + 4, H + 2, H + 6."""
+    minus = (_half(zw, H, F16) + (1024.0 if F16 else 128.0))[:, None]  # -zero
+    scale = _half(pw, H, F16)[:, None, None, None]
+    e0, e1 = _nibble(words, H) + minus, _nibble(words, H + 4) + minus
+    e2, e3 = _nibble(words, H + 2) + minus, _nibble(words, H + 6) + minus
+    values = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [.., 16, 2, 2]: e = 2a + b
+    return tl.reshape(values * scale, (8 * TILES, 64))

@@ -31,8 +31,7 @@ import triton.language as tl
 
 from noesis.kernels import pdl
 from noesis.kernels.asm import bf16x2_asm, word_aligned
-from noesis.kernels.frag_gemv import frag_gemv
-from noesis.kernels.mxfp4_mma import frag_tile
+from noesis.kernels.frag_gemv import frag_gemv, frag_matmul
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.kernels.row_gemv import _or
 from noesis.weights.mxfp4 import Mxfp4Fragments, Mxfp4Weight
@@ -480,8 +479,8 @@ def _frag_sorted_gate_up(
     pairs, pair_ok = _block_pairs(rows_ptr, num_pairs, BLOCK_M)
     tile0 = tl.program_id(1) * TILES
     x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * H
-    gate, up = _frag_tile_matmul(x_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, H, TILES,
-                                 BLOCK_M, PRECISION)  # fmt: skip
+    gate, up = frag_matmul(x_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, H, TILES, BLOCK_M,
+                           PRECISION, 0, 1, 1)  # fmt: skip  (FORMAT 0: MXFP4)
     cols = tile0 * 8 + tl.arange(0, 8 * TILES)
     col_ok = cols < I
     if HAS_BIAS:
@@ -509,8 +508,8 @@ def _frag_sorted_down(
     pairs, pair_ok = _block_pairs(rows_ptr, num_pairs, BLOCK_M)
     tile0 = tl.program_id(1) * TILES
     act_rows = act_ptr + pairs.to(tl.int64) * I
-    low, high = _frag_tile_matmul(act_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, I,
-                                  TILES, BLOCK_M, PRECISION)  # fmt: skip
+    low, high = frag_matmul(act_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, I, TILES,
+                            BLOCK_M, PRECISION, 0, 1, 1)  # fmt: skip  (FORMAT 0: MXFP4)
     r = tl.arange(0, 8 * TILES)
     rows = (tile0 + r // 8) * 16 + r % 8
     weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
@@ -536,23 +535,6 @@ def _block_pairs(rows_ptr, num_pairs, BLOCK_M: tl.constexpr):
     real."""
     pairs = tl.load(rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
     return pairs, pairs < num_pairs
-
-
-@triton.jit
-def _frag_tile_matmul(x_rows, x_ok, w_ptr, s_ptr, expert, tile0, NT: tl.constexpr,
-                      KC: tl.constexpr, K: tl.constexpr, TILES: tl.constexpr,
-                      BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """x[BLOCK_M rows at x_rows] @ fragment tiles tile0 .. tile0 + TILES - 1 -> their rows g and
-    their rows g + 8, [BLOCK_M, 8 TILES] float32 each, a chunk of 64 columns an iteration."""
-    low = tl.zeros((BLOCK_M, 8 * TILES), tl.float32)
-    high = tl.zeros((BLOCK_M, 8 * TILES), tl.float32)
-    for c in range(0, KC):
-        w_low, w_high, cols = frag_tile(w_ptr, s_ptr, expert, tile0, c, NT, KC, TILES)
-        x = tl.load(x_rows[:, None] + cols[None, :], mask=x_ok[:, None] & (cols < K)[None, :],
-                    other=0.0)  # fmt: skip
-        low = tl.dot(x, tl.trans(w_low.to(x.dtype)), low, input_precision=PRECISION)
-        high = tl.dot(x, tl.trans(w_high.to(x.dtype)), high, input_precision=PRECISION)
-    return low, high
 
 
 @triton.jit

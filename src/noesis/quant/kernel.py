@@ -35,7 +35,7 @@ import triton.language as tl
 
 from noesis.kernels import pdl
 from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
-from noesis.kernels.frag_gemv import INT4_BF16, INT4_F16, frag_gemv
+from noesis.kernels.frag_gemv import INT4_BF16, INT4_F16, frag_gemv, frag_matmul
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.quant.int4_fragments import Int4Fragments
 
@@ -49,6 +49,8 @@ CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # program, warps sharing a tile's chunks, chunks of 64 columns a warp's iteration. MXFP4's best
 # on the H200, not yet swept for int4 (benchmarks/int4_fragments.py --tiles).
 FRAG_TILES = (1, 4, 2)
+# The fragment matmul (more rows): tiles of 16 rows a program (its N block is 16 x this).
+FRAG_MATMUL_TILES = 4
 
 
 @dataclass(frozen=True)
@@ -587,10 +589,7 @@ def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
     each row of x its own programs (decode: every row reads the weights again). `tiles`
     overrides FRAG_TILES (the sweep's)."""
     m, k = x.shape
-    if x.dtype != frags.dtype or k != frags.in_features:
-        raise ValueError(f"x {list(x.shape)} {x.dtype} does not match int4 fragments of "
-                         f"{frags.in_features} {frags.dtype} inputs")  # fmt: skip
-    x = word_aligned(x.contiguous())
+    x = word_aligned(_fragment_input(x, frags))
     warps, split, chunks = tiles or FRAG_TILES
     n = frags.out_features
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -627,3 +626,52 @@ def _int4_frag_gemv(
     dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + r * N + rows, sum_g.to(dtype), mask=ok & (rows < N))
     tl.store(out_ptr + r * N + rows + 8, sum_h.to(dtype), mask=ok & (rows + 8 < N))
+
+
+def fragment_matmul(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
+    """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments for many rows:
+    each chunk of 64 columns of FRAG_MATMUL_TILES tiles decoded to weights in x's dtype
+    (rounded as the stored layout's dequantization rounds) for tl.dot."""
+    m, k = x.shape
+    x = _fragment_input(x, frags)
+    n, tiles = frags.out_features, FRAG_MATMUL_TILES
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if m:
+        _int4_frag_matmul[(triton.cdiv(m, block_m), triton.cdiv(frags.tiles, tiles))](
+            x, frags.words, frags.params, y, m, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
+            NG=frags.groups, GC=frags.group_size // 64, TILES=tiles, BLOCK_M=block_m,
+            PRECISION="tf32", FORMAT=INT4_F16 if x.dtype == torch.float16 else INT4_BF16,
+            num_warps=4,
+        )  # fmt: skip
+    return y
+
+
+def _fragment_input(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
+    if x.dtype != frags.dtype or x.shape[1] != frags.in_features:
+        raise ValueError(f"x {list(x.shape)} {x.dtype} does not match int4 fragments of "
+                         f"{frags.in_features} {frags.dtype} inputs")  # fmt: skip
+    return x.contiguous()
+
+
+@triton.jit
+def _int4_frag_matmul(
+    x_ptr, w_ptr, p_ptr, out_ptr, M, N: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
+    K: tl.constexpr, NG: tl.constexpr, GC: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
+):  # fmt: skip
+    """out[rows, cols] = x[rows] @ W[cols].T for BLOCK_M rows and TILES tiles (16 TILES
+    columns: tile T's rows g and g + 8 are columns 16T + g and 16T + g + 8)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    tile0 = tl.program_id(1) * TILES
+    x_rows = x_ptr + rows.to(tl.int64) * K
+    low, high = frag_matmul(x_rows, row_ok, w_ptr, p_ptr, 0, tile0, NT, KC, K, TILES, BLOCK_M,
+                            PRECISION, FORMAT, GC, NG)  # fmt: skip
+    r = tl.arange(0, 8 * TILES)
+    cols = (tile0 + r // 8) * 16 + r % 8
+    out = out_ptr + rows.to(tl.int64)[:, None] * N
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out + cols[None, :], low.to(dtype), mask=row_ok[:, None] & (cols < N)[None, :])
+    tl.store(out + cols[None, :] + 8, high.to(dtype),
+             mask=row_ok[:, None] & (cols + 8 < N)[None, :])  # fmt: skip

@@ -24,10 +24,11 @@ from noesis.quant.scheme import WeightQuant, weight_quant
 # float32 at most, several temporaries of it) whatever the projection's size.
 TILE_ELEMENTS = 1 << 22
 # Experimental (issue 19): a CUDA load also lays each eligible int4 projection's codes out as
-# tensor-core fragments (quant/int4_fragments.py, `fragment_projections`), and steps of up to
-# FRAGMENT_ROWS rows read those (kernel.fragment_gemv); more rows keep the stored layout. Off
-# until it is measured winning (benchmarks/int4_fragments.py; gpu_quant.py's "fragments"
-# variant turns it on): it holds the codes twice.
+# tensor-core fragments (quant/int4_fragments.py, `fragment_projections`), and its forward reads
+# those: up to FRAGMENT_ROWS rows through kernel.fragment_gemv (mma.sync), more through
+# kernel.fragment_matmul (tl.dot). Off until it is measured winning
+# (benchmarks/int4_fragments.py; gpu_quant.py's "fragments" variant turns it on): it holds the
+# codes twice.
 INT4_FRAGMENTS = False
 FRAGMENT_ROWS = 1
 
@@ -71,9 +72,9 @@ class PackedLinear(nn.Module):
             from noesis.quant import kernel
 
             frags = self.fragments
-            if (frags is not None and flat.shape[0] <= FRAGMENT_ROWS
-                    and flat.dtype == frags.dtype):  # fmt: skip
-                y = kernel.fragment_gemv(flat, frags)
+            if frags is not None and flat.dtype == frags.dtype:
+                y = (kernel.fragment_gemv(flat, frags) if flat.shape[0] <= FRAGMENT_ROWS
+                     else kernel.fragment_matmul(flat, frags))  # fmt: skip
             else:
                 y = kernel.packed_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
                                          self.bits, self.group_size)
