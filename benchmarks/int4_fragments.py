@@ -48,19 +48,21 @@ def main() -> None:
               for name, (n, k) in SHAPES.items()}  # fmt: skip
     xs = {k: torch.randn(1, k, device="cuda", generator=gen).to(dtype) for _, k in SHAPES.values()}
     bandwidth = copy_bandwidth("cuda", 1 << 30)
-    variants = {"stored layout": None, f"fragments {kernel.FRAG_TILES}": kernel.FRAG_TILES}
-    if args.tiles:
-        variants |= {f"fragments {t}": t for t in SWEEP if t != kernel.FRAG_TILES}
+    by_sum = (False, True) if args.dtype == "bfloat16" else (False,)  # zeros after the products
+    variants = {"stored layout": None}
+    for tiles in [kernel.FRAG_TILES] + (SWEEP if args.tiles else []):
+        for zeros in by_sum:
+            variants[f"fragments {tiles}{', zeros by sum' if zeros else ''}"] = (tiles, zeros)
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
           f"{args.layers} layers of each projection, int4 g{GROUP}, {args.dtype}, one row")
     rows = []
-    for label, tiles in variants.items():
+    for label, variant in variants.items():
         row = {"variant": label, "us": {}, "share": {}, "error": {}}
         for name, projections in layers.items():
             x = xs[SHAPES[name][1]]
-            row["error"][name] = _error(x, projections[0], tiles)
-            ms = time_ms(lambda p=projections, x=x, t=tiles: [_run(x, q, t) for q in p], args.iters,
-                         "cuda", graph=True)  # fmt: skip
+            row["error"][name] = _error(x, projections[0], variant)
+            ms = time_ms(lambda p=projections, x=x, v=variant: [_run(x, q, v) for q in p],
+                         args.iters, "cuda", graph=True)  # fmt: skip
             read = sum(q["bytes"] for q in projections)
             row["us"][name] = ms * 1e3 / args.layers
             row["share"][name] = read / bandwidth / (ms / 1e3)
@@ -92,17 +94,19 @@ def _projection(gen, n: int, k: int, dtype) -> dict:
     return {"qweight": qweight, "scales": scales, "zeros": zeros, "frags": frags, "bytes": read}
 
 
-def _run(x, q, tiles):
-    if tiles is None:
+def _run(x, q, variant):
+    """variant: None (the stored layout) or (FRAG_TILES, zeros by sum)."""
+    if variant is None:
         return kernel.packed_matmul(x, q["qweight"], q["scales"], q["zeros"], None, 4, GROUP)
-    return kernel.fragment_gemv(x, q["frags"], tiles)
+    tiles, by_sum = variant
+    return kernel.fragment_gemv(x, q["frags"], tiles, zero_by_sum=by_sum)
 
 
-def _error(x, q, tiles) -> float:
+def _error(x, q, variant) -> float:
     index = group_index(None, x.shape[1], GROUP, x.device)
     weight = dequantize(q["qweight"], q["scales"].float(), q["zeros"].float(), index, 4)
     ref = x.float() @ weight.T
-    ours = _run(x, q, tiles).float()
+    ours = _run(x, q, variant).float()
     return ((ours - ref).norm() / ref.norm()).item()
 
 

@@ -36,6 +36,7 @@ LAUNCHES = {
 FRAGMENT_LAUNCHES = {
     "decode int4 fragments bf16 g128": (1, 14336 * 2, 4096, 128, "bfloat16"),
     "decode int4 fragments f16 g64": (1, 4096, 14336, 64, "float16"),
+    "decode int4 fragments bf16 g128, zeros after the products": (1, 4096, 14336, 128, "sum"),
     "prefill int4 fragments bf16 g128": (300, 4096, 4096, 128, "bfloat16"),
 }
 
@@ -76,11 +77,15 @@ def compile_all() -> dict[str, str]:
             reports[name] = compile_launch(*launch, Path(tmp))["ptxas"]
         for name, (m, n, k, group, dtype) in FRAGMENT_LAUNCHES.items():
             recorded.clear()
+            by_sum = dtype == "sum"  # bfloat16, FORMAT 3
             frags = Int4Fragments(torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32),
                                   torch.zeros(n // 16, k // group, 8, 2, dtype=torch.int32),
-                                  n, k, group, getattr(torch, dtype))  # fmt: skip
+                                  n, k, group, getattr(torch, "bfloat16" if by_sum else dtype))
             x = torch.zeros(m, k, dtype=frags.dtype)
-            (kernel.fragment_gemv if m == 1 else kernel.fragment_matmul)(x, frags)
+            if m == 1:
+                kernel.fragment_gemv(x, frags, zero_by_sum=by_sum)
+            else:
+                kernel.fragment_matmul(x, frags)
             (launch,) = recorded
             if "NO_ASM" in launch[2]:
                 launch[2]["NO_ASM"] = False  # the assembly, as on an sm_80-or-later GPU

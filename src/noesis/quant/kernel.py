@@ -35,7 +35,7 @@ import triton.language as tl
 
 from noesis.kernels import pdl
 from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
-from noesis.kernels.frag_gemv import INT4_BF16, INT4_F16, frag_gemv, frag_matmul
+from noesis.kernels.frag_gemv import INT4_BF16, INT4_BF16_SUM, INT4_F16, frag_gemv, frag_matmul
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.quant.int4_fragments import Int4Fragments
 
@@ -49,6 +49,9 @@ CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # program, warps sharing a tile's chunks, chunks of 64 columns a warp's iteration. MXFP4's best
 # on the H200, not yet swept for int4 (benchmarks/int4_fragments.py --tiles).
 FRAG_TILES = (1, 4, 2)
+# bfloat16 fragment GEMVs take the zero points out after the products (frag_gemv FORMAT 3: 4 more
+# mma and 16 fewer packed FMAs a chunk), not yet timed against taking them out of each code.
+FRAG_ZERO_BY_SUM = False
 # The fragment matmul (more rows): tiles of 16 rows a program (its N block is 16 x this).
 FRAG_MATMUL_TILES = 4
 
@@ -583,11 +586,12 @@ def _prefill(x, qweight, scales, qzeros, groups, bits, group_size, mins):
 
 
 def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
-                  tiles: tuple[int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+                  tiles: tuple[int, int, int] | None = None,
+                  zero_by_sum: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments (the tensor
     cores' mma.sync on sm_80 and later; the same sums in float32 Triton operations elsewhere),
     each row of x its own programs (decode: every row reads the weights again). `tiles`
-    overrides FRAG_TILES (the sweep's)."""
+    overrides FRAG_TILES, `zero_by_sum` FRAG_ZERO_BY_SUM (bfloat16 only; the sweep's)."""
     m, k = x.shape
     x = word_aligned(_fragment_input(x, frags))
     warps, split, chunks = tiles or FRAG_TILES
@@ -598,7 +602,7 @@ def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
             x, frags.words, frags.params, y, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
             NG=frags.groups, GC=frags.group_size // 64, WARPS=warps, KSPLIT=split, CH=chunks,
             NO_ASM=not bf16x2_asm(x.device),
-            FORMAT=INT4_F16 if x.dtype == torch.float16 else INT4_BF16,
+            FORMAT=_gemv_format(x.dtype, FRAG_ZERO_BY_SUM if zero_by_sum is None else zero_by_sum),
             num_warps=warps * split, **pdl.pdl_launch(x),
         )  # fmt: skip
     return y
@@ -645,6 +649,12 @@ def fragment_matmul(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
             num_warps=4,
         )  # fmt: skip
     return y
+
+
+def _gemv_format(dtype: torch.dtype, zero_by_sum: bool) -> int:
+    if dtype == torch.float16:
+        return INT4_F16
+    return INT4_BF16_SUM if zero_by_sum else INT4_BF16
 
 
 def _fragment_input(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
