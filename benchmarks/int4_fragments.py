@@ -7,6 +7,10 @@ first. The roofline is the bytes read (codes, scales, zero points: the same in b
 over the copy bandwidth measured in the same run.
 
     python benchmarks/int4_fragments.py [--tiles] [--dtype float16] [--json out.json]
+    python benchmarks/int4_fragments.py --tiles --save-configs src/noesis/quant/frag_configs.json
+
+--save-configs merges each projection's fastest fragment variant into the file the GEMV reads
+its per-shape tiles from (quant.kernel.fragment_config), keyed by this GPU's name.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--tiles", action="store_true", help="also sweep FRAG_TILES")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--save-configs", type=Path,
+                        help="merge each shape's fastest fragment variant into this file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -76,6 +82,17 @@ def main() -> None:
     for row in rows:
         cells = " | ".join(f"{row['us'][n]:.1f} ({row['share'][n]:.0%})" for n in names)
         print(f"| {row['variant']} | {cells} | {max(row['error'].values()):.1e} |")
+    if args.save_configs:
+        from quant_gemv_sweep import _save_configs
+
+        best = {}
+        for name in SHAPES:
+            row = min((r for r in rows if variants[r["variant"]] is not None),
+                      key=lambda r: r["us"][name])  # fmt: skip
+            tiles, by_sum = variants[row["variant"]]
+            best[kernel.fragment_key(layers[name][0]["frags"])] = [*tiles, int(by_sum)]
+        _save_configs(args.save_configs, torch.cuda.get_device_name(), best)
+        print(f"saved {len(best)} configs to {args.save_configs}")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                          "bandwidth": bandwidth, "torch": torch.__version__,
@@ -95,7 +112,8 @@ def _projection(gen, n: int, k: int, dtype) -> dict:
 
 
 def _run(x, q, variant):
-    """variant: None (the stored layout) or (FRAG_TILES, zeros by sum)."""
+    """variant: None (the stored layout) or (tiles, zeros by sum), passed explicitly (not the
+    saved per-shape configs)."""
     if variant is None:
         return kernel.packed_matmul(x, q["qweight"], q["scales"], q["zeros"], None, 4, GROUP)
     tiles, by_sum = variant

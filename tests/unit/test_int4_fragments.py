@@ -182,3 +182,20 @@ def test_only_fitting_projections_take_fragments():
     act_order = _packed_linear(256, 32, 4, 128)
     act_order.act_order = True
     assert not act_order.use_fragments() and act_order.fragments is None
+
+
+def test_fragment_config_reads_the_sweeps_file_for_this_gpu(tmp_path, monkeypatch):
+    qweight, scales, zeros, _ = _int4(48, 256, 128, torch.bfloat16)
+    frags = Int4Fragments.pack(qweight, scales, zeros, 128)
+    assert kernel.fragment_key(frags) == "48,256,bfloat16"
+    path = tmp_path / "frag_configs.json"
+    path.write_text('{"cpu": {"48,256,bfloat16": [2, 8, 1, 1]}, "other": {"1,1,x": [1, 1, 1, 0]}}')
+    monkeypatch.setattr(kernel, "FRAG_CONFIG_FILE", path)
+    kernel._device_frag_configs.cache_clear()
+    try:
+        assert kernel.fragment_config(frags, torch.device("cpu")) == ((2, 8, 1), True)
+        other = Int4Fragments.pack(*_int4(16, 128, 128, torch.bfloat16)[:3], 128)
+        assert kernel.fragment_config(other, torch.device("cpu")) == (
+            kernel.FRAG_TILES, kernel.FRAG_ZERO_BY_SUM)
+    finally:
+        kernel._device_frag_configs.cache_clear()

@@ -47,8 +47,10 @@ TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs: the default split
 CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # The int4 fragment GEMV (kernels/frag_gemv.py over quant/int4_fragments.py): tiles of 16 rows a
 # program, warps sharing a tile's chunks, chunks of 64 columns a warp's iteration. MXFP4's best
-# on the H200, not yet swept for int4 (benchmarks/int4_fragments.py --tiles).
+# on the H200; per GPU model and shape, frag_configs.json beside this file overrides it (and
+# FRAG_ZERO_BY_SUM below), written by `benchmarks/int4_fragments.py --tiles --save-configs`.
 FRAG_TILES = (1, 4, 2)
+FRAG_CONFIG_FILE = Path(__file__).with_name("frag_configs.json")
 # bfloat16 fragment GEMVs take the zero points out after the products (frag_gemv FORMAT 3: 4 more
 # mma and 16 fewer packed FMAs a chunk), not yet timed against taking them out of each code.
 FRAG_ZERO_BY_SUM = False
@@ -590,11 +592,12 @@ def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
                   zero_by_sum: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments (the tensor
     cores' mma.sync on sm_80 and later; the same sums in float32 Triton operations elsewhere),
-    each row of x its own programs (decode: every row reads the weights again). `tiles`
-    overrides FRAG_TILES, `zero_by_sum` FRAG_ZERO_BY_SUM (bfloat16 only; the sweep's)."""
+    each row of x its own programs (decode: every row reads the weights again). `tiles` and
+    `zero_by_sum` (bfloat16 only) override fragment_config's (the sweep's)."""
     m, k = x.shape
     x = word_aligned(_fragment_input(x, frags))
-    warps, split, chunks = tiles or FRAG_TILES
+    tuned_tiles, tuned_sum = fragment_config(frags, x.device)
+    warps, split, chunks = tiles or tuned_tiles
     n = frags.out_features
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -602,7 +605,7 @@ def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
             x, frags.words, frags.params, y, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
             NG=frags.groups, GC=frags.group_size // 64, WARPS=warps, KSPLIT=split, CH=chunks,
             NO_ASM=not bf16x2_asm(x.device),
-            FORMAT=_gemv_format(x.dtype, FRAG_ZERO_BY_SUM if zero_by_sum is None else zero_by_sum),
+            FORMAT=_gemv_format(x.dtype, tuned_sum if zero_by_sum is None else zero_by_sum),
             num_warps=warps * split, **pdl.pdl_launch(x),
         )  # fmt: skip
     return y
@@ -649,6 +652,27 @@ def fragment_matmul(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
             num_warps=4,
         )  # fmt: skip
     return y
+
+
+def fragment_key(frags: Int4Fragments) -> str:
+    """frag_configs.json's key for a projection: N, K, the 16-bit float type."""
+    return f"{frags.out_features},{frags.in_features},{str(frags.dtype).removeprefix('torch.')}"
+
+
+def fragment_config(frags: Int4Fragments, device: torch.device) -> tuple[tuple, bool]:
+    """(FRAG_TILES, zeros by sum) for this projection on this GPU model: the sweep's, else the
+    defaults."""
+    tuned = _device_frag_configs(device).get(fragment_key(frags))
+    if tuned is None:
+        return FRAG_TILES, FRAG_ZERO_BY_SUM
+    return tuple(tuned[:3]), bool(tuned[3])
+
+
+@functools.cache
+def _device_frag_configs(device: torch.device) -> dict[str, list[int]]:
+    if not FRAG_CONFIG_FILE.exists():
+        return {}
+    return json.loads(FRAG_CONFIG_FILE.read_text()).get(_device_name(device), {})
 
 
 def _gemv_format(dtype: torch.dtype, zero_by_sum: bool) -> int:
