@@ -178,3 +178,28 @@ def test_bundled_pair_counts_channels_in_the_engine():
     from noesis.engine.stats import EngineStats
 
     assert EngineStats.of(engine).spec_channels == channels  # what /metrics serves
+
+
+def test_a_batch_too_wide_for_the_verify_graphs_stays_paused_while_tokens_are_in_flight():
+    """With graphs of 8 rows, 4 sequences proposing 3 each (16 rows) pause speculation whether
+    or not their last tokens are read back yet; a paused speculator wants no read-back, so the
+    engine keeps overlapping its steps (it re-decided on the ready sequences only, and so
+    un-paused on every step whose tokens were still in flight)."""
+    from noesis.planner.sequence import SequenceStatus
+
+    config = SpeculativeConfig(method="ngram", k=3, adaptive=False)
+    speculator = Speculator(config, NgramProposer(4, 2), ChannelScheme.of(FakeTokenizer()))
+    speculator.max_rows = 8
+    seqs = []
+    for i in range(4):
+        seq = new_seq([START, USER, MESSAGE, HI, END, HI, END, HI])  # lookup finds END, HI
+        seq.seq_id, seq.request_id = i, f"r{i}"
+        seq.status, seq.num_computed = SequenceStatus.RUNNING, len(seq.token_ids) - 1
+        seqs.append(seq)
+    for pending in (1, 0, 1):
+        for seq in seqs:
+            seq.num_pending = pending
+        assert speculator.propose(seqs) == (None, {})
+        assert not any(speculator.wants(seq) for seq in seqs)
+    seqs[0].num_pending = 0
+    assert speculator.propose(seqs[:1])[1].get(0, 0) > 0  # one alone fits: it speculates

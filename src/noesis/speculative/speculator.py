@@ -9,9 +9,9 @@ verified position (speculative.grammar), logit bias and logprobs are verify's as
 A lookup's proposals for a constrained row stop where its grammar would refuse one.
 No request speculates while more than `max_batch` run (when set), nor, once graphs are
 captured (`capture_graphs`), while a verify step could not replay them: the running
-sequences plus their proposals must fit the largest graph (`max_rows`). An eager verify step
-costs what ~20 replayed decode steps cost on a launch-bound model, and a step of more rows is
-compute-bound anyway.
+sequences plus the proposals each would make must fit the largest graph (`max_rows`). An
+eager verify step costs what ~20 replayed decode steps cost on a launch-bound model, and a step
+of more rows is compute-bound anyway.
 
 Counters: in total (`counts`) and per output channel (`channels`: Harmony's analysis,
 commentary, final, plus header and other; "text" for a tokenizer without Harmony's tokens), a
@@ -112,11 +112,15 @@ class Speculator:
         many each may verify (the scheduler's `num_drafts`). `knobs(seqs)` builds their
         sampling tensors for a proposer that samples."""
         limit = self.config.max_batch
-        self._paused = limit is not None and len(running) > limit
+        # Paused by the running batch as a whole, whichever of its sequences are ready this
+        # step: deciding on the ready ones only un-paused every step whose sequences still had
+        # a token in flight, and `wants` then kept the next step from overlapping (at batch 64
+        # every other step ran without overlap).
+        widest = len(running) + sum(self._depth(seq) for seq in running)
+        self._paused = ((limit is not None and len(running) > limit)
+                        or (self.max_rows is not None and widest > self.max_rows))  # fmt: skip
         seqs = [] if self._paused else [seq for seq in running if self._ready(seq)]
         depths = [self._depth(seq) for seq in seqs]
-        if self.max_rows is not None and len(running) + sum(depths) > self.max_rows:
-            self._paused, seqs = True, []  # the verify step would run eagerly: slower
         if not seqs:
             return None, {}
         tensors = knobs(seqs) if knobs is not None and self.needs_knobs else None
