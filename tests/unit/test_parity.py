@@ -123,6 +123,25 @@ def test_repetition_penalty_matches_transformers(checkpoints, penalty):
     assert tokens != noesis_greedy(checkpoints.llm("llama"), prompt, NEW_TOKENS)[0]
 
 
+def test_penalized_rows_in_a_batch_decode_as_they_do_alone(checkpoints):
+    """Penalties count only the rows that ask for them (runner._penalties): a batch mixing
+    penalized and plain greedy rows gives each the tokens it gets alone."""
+    llm = checkpoints.llm("llama")
+    prompt = PROMPTS["short"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                       repetition_penalty=2.0),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                       frequency_penalty=2.0, presence_penalty=2.0),
+    ]  # fmt: skip
+    together = llm.generate([prompt] * 3, params)
+    alone = [llm.generate([prompt], p)[0] for p in params]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    plain = alone[1].token_ids
+    assert alone[0].token_ids != plain and alone[2].token_ids != plain  # the penalties acted
+
+
 @pytest.mark.parametrize("name", ["llama", "phi3-partial-rotary", *ROPE_KINDS])
 @pytest.mark.parametrize("length", [8, 16, 17, 40])
 def test_rope_tables_match_transformers(checkpoints, name, length):

@@ -583,13 +583,23 @@ class ModelRunner:
         return LogitBias(where[:, 0], where[:, 1], values)
 
     def _penalties(self, seqs: list[Sequence]) -> Penalties:
+        """The batch's penalty tensors. Only rows that ask for penalties count their tokens
+        (with repetition 1 and presence and frequency 0, apply_penalties returns a row's logits
+        exactly as they are, whatever its counts), all of them in one scatter each: one
+        penalized request no longer costs every row of a large batch four launches a step."""
         batch, vocab = len(seqs), self.vocab_size
         counts = torch.zeros(batch, vocab, device=self.device)
         seen = torch.zeros(batch, vocab, dtype=torch.bool, device=self.device)
-        for row, seq in enumerate(seqs):
-            outputs = self._tensor(seq.output_ids)
-            counts[row].index_add_(0, outputs, torch.ones(len(outputs), device=self.device))
-            seen[row, self._tensor(seq.token_ids)] = True
+        penalized = [(row, seq) for row, seq in enumerate(seqs) if seq.params.needs_penalties]
+        out_ids = [token for _, seq in penalized for token in seq.output_ids]
+        if out_ids:
+            out_rows = [row for row, seq in penalized for _ in seq.output_ids]
+            counts.index_put_((self._tensor(out_rows), self._tensor(out_ids)),
+                              torch.ones(len(out_ids), device=self.device), accumulate=True)
+        seen_ids = [token for _, seq in penalized for token in seq.token_ids]
+        if seen_ids:
+            seen_rows = [row for row, seq in penalized for _ in seq.token_ids]
+            seen[self._tensor(seen_rows), self._tensor(seen_ids)] = True
         params = [seq.params for seq in seqs]
         return Penalties(
             repetition=self._tensor([p.repetition_penalty for p in params], torch.float32),
