@@ -1,5 +1,6 @@
-"""The decode GEMV over weights stored as tensor-core fragments, for each format stored so: MXFP4
-experts (weights/mxfp4.py packs them, mxfp4_mma.py decodes a chunk) and int4 group-quantized
+"""The decode GEMV (`frag_gemv`, inline mma.sync) and the many-row tile matmul (`frag_matmul`,
+tl.dot) over weights stored as tensor-core fragments, for each format stored so: MXFP4 experts
+(weights/mxfp4.py packs them, mxfp4_mma.py decodes a chunk) and int4 group-quantized
 projections (quant/int4_fragments.py packs them, int4_mma.py decodes a chunk).
 
 The layouts share their geometry: rows in tiles of 16, K in chunks of 64, and per (tile, chunk)
