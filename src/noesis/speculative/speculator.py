@@ -116,11 +116,12 @@ class Speculator:
         # step: deciding on the ready ones only un-paused every step whose sequences still had
         # a token in flight, and `wants` then kept the next step from overlapping (at batch 64
         # every other step ran without overlap).
-        widest = len(running) + sum(self._depth(seq) for seq in running)
+        depth = {seq.seq_id: self._depth(seq) for seq in running}
+        widest = len(running) + sum(depth.values())
         self._paused = ((limit is not None and len(running) > limit)
                         or (self.max_rows is not None and widest > self.max_rows))  # fmt: skip
-        seqs = [] if self._paused else [seq for seq in running if self._ready(seq)]
-        depths = [self._depth(seq) for seq in seqs]
+        seqs = [] if self._paused else [seq for seq in running if self._ready(seq, depth)]
+        depths = [depth[seq.seq_id] for seq in seqs]
         if not seqs:
             return None, {}
         tensors = knobs(seqs) if knobs is not None and self.needs_knobs else None
@@ -186,13 +187,13 @@ class Speculator:
                 counts["generated"] += taken
         return channel
 
-    def _ready(self, seq: Seq) -> bool:
+    def _ready(self, seq: Seq, depth: dict[int, int]) -> bool:
         return (
             seq.status is SequenceStatus.RUNNING
             and seq.num_pending == 0
             and seq.num_computed == len(seq.token_ids) - 1
             and len(seq.token_ids) + 1 < seq.max_len
-            and self._depth(seq) > 0
+            and depth[seq.seq_id] > 0
         )
 
     def _depth(self, seq: Seq) -> int:
