@@ -55,7 +55,8 @@ VARIANTS = (
     # the same packed checkpoints on the fused one-row block (models.layers.PACKED_ONE_ROW)
     ("AWQ int4 g128 packed-row", "int4", "auto", False),
     ("int8 per channel packed-row", "int8", "auto", False),
-    # int4 one-row steps over tensor-core fragments (quant.linear.INT4_FRAGMENTS, experimental)
+    # int4 over tensor-core fragments (quant.linear.INT4_FRAGMENTS, the CUDA default); the
+    # variants without it keep the stored layout
     ("AWQ int4 g128 fragments", "int4", "auto", False),
 )
 GGUF_FILE = "model.gguf"  # the Q4_K checkpoint: this file in its directory

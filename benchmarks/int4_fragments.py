@@ -8,6 +8,12 @@ over the copy bandwidth measured in the same run.
 
     python benchmarks/int4_fragments.py [--tiles] [--dtype float16] [--json out.json]
     python benchmarks/int4_fragments.py --tiles --save-configs src/noesis/quant/frag_configs.json
+    python benchmarks/int4_fragments.py --rows 2,8,16,32,64 [--tiles]
+
+--rows times several rows of x (decode batches) instead: the stored layout's tuned decode
+launch, the fragment matmul (tl.dot), fragment_rows (x's rows as the mma's columns; --tiles
+sweeps its tiles) and bfloat16 weights through torch.matmul (cuBLAS), each share against its
+own bytes.
 
 --save-configs merges each projection's fastest fragment variant into the file the GEMV reads
 its per-shape tiles from (quant.kernel.fragment_config), keyed by this GPU's name.
@@ -34,6 +40,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 GROUP = 128
 # (tiles a program, warps a tile, chunks a warp's iteration): down and o have 256 tiles only,
 # so their programs need more warps along K to fill the GPU than gate_up's 1,792
+ROWS_SWEEP = [(1, 8, 2, 1), (1, 16, 1, 1), (1, 8, 1, 1), (1, 4, 1, 2), (1, 8, 1, 2),
+              (1, 4, 1, 4), (2, 4, 1, 2), (1, 2, 1, 4), (1, 4, 2, 2)]
 SWEEP = [(1, 4, 2), (1, 4, 4), (1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 16, 1), (1, 16, 2),
          (2, 4, 2), (2, 2, 2), (4, 2, 2)]
 
@@ -45,6 +53,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--tiles", action="store_true", help="also sweep FRAG_TILES")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--rows", help="comma-separated row counts: time several rows of x")
     parser.add_argument("--save-configs", type=Path,
                         help="merge each shape's fastest fragment variant into this file")
     args = parser.parse_args()
@@ -54,6 +63,8 @@ def main() -> None:
               for name, (n, k) in SHAPES.items()}  # fmt: skip
     xs = {k: torch.randn(1, k, device="cuda", generator=gen).to(dtype) for _, k in SHAPES.values()}
     bandwidth = copy_bandwidth("cuda", 1 << 30)
+    if args.rows:
+        return _rows_table(args, layers, dtype, gen, bandwidth)
     by_sum = (False, True) if args.dtype == "bfloat16" else (False,)  # zeros after the products
     variants = {"stored layout": None}
     for tiles in [kernel.FRAG_TILES] + (SWEEP if args.tiles else []):
@@ -99,6 +110,75 @@ def main() -> None:
                                          "rows": rows}, indent=1))  # fmt: skip
 
 
+def _rows_table(args, layers, dtype, gen, bandwidth) -> None:
+    variants = {"stored layout": "stored", "fragment matmul": "matmul"}
+    for tiles in [kernel.FRAG_ROWS_TILES] + (ROWS_SWEEP if args.tiles else []):
+        variants[f"fragment rows {tiles}"] = tiles
+    variants["bf16 cuBLAS"] = "bf16"
+    dense = {name: [torch.randn(n, k, device="cuda", generator=gen).to(dtype) * 0.02
+                    for _ in range(args.layers)] for name, (n, k) in SHAPES.items()}  # fmt: skip
+    print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
+          f"{args.layers} layers of each projection, int4 g{GROUP}, {args.dtype}")
+    print("| rows | variant | " + " | ".join(f"{n} us (share)" for n in [*SHAPES, "layer"])
+          + " | max rel. error |")
+    print("|---" * (len(SHAPES) + 4) + "|")
+    table = []
+    for m in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+              for _, k in SHAPES.values()}  # fmt: skip
+        for label, variant in variants.items():
+            us, share, errors = {}, {}, []
+            for name, projections in layers.items():
+                x = xs[SHAPES[name][1]]
+                if variant == "bf16":
+                    weights = dense[name]
+                    ms = time_ms(lambda w=weights, x=x: [x @ v.T for v in w], args.iters, "cuda",
+                                 graph=True)  # fmt: skip
+                    read = sum(w.numel() * w.element_size() for w in weights)
+                else:
+                    errors.append(_error(x, projections[0], ("rows", variant)))
+                    ms = time_ms(lambda p=projections, x=x, v=variant:
+                                 [_run(x, q, ("rows", v)) for q in p], args.iters, "cuda",
+                                 graph=True)  # fmt: skip
+                    read = sum(q["bytes"] for q in projections)
+                us[name] = ms * 1e3 / args.layers
+                share[name] = read / bandwidth / (ms / 1e3)
+            us["layer"] = sum(us.values())
+            layer_bytes = sum(q["bytes"] for q in (layers[name][0] for name in SHAPES))
+            if variant == "bf16":
+                layer_bytes = sum(dense[name][0].numel() * 2 for name in SHAPES)
+            share["layer"] = layer_bytes / bandwidth / (us["layer"] / 1e6)
+            cells = " | ".join(f"{us[n]:.1f} ({share[n]:.0%})" for n in [*SHAPES, "layer"])
+            error = f"{max(errors):.1e}" if errors else "-"
+            print(f"| {m} | {label} | {cells} | {error} |", flush=True)
+            table.append({"rows": m, "variant": label, "us": us, "share": share})
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "bandwidth": bandwidth, "torch": torch.__version__,
+                                         "rows": table}, indent=1))  # fmt: skip
+    if args.save_configs:
+        keys = {name: kernel.fragment_key(layers[name][0]["frags"]) for name in SHAPES}
+        best = rows_configs(table, keys)
+        from quant_gemv_sweep import _save_configs
+
+        _save_configs(args.save_configs, torch.cuda.get_device_name(), best)
+        print(f"saved {len(best)} configs to {args.save_configs}")
+
+
+def rows_configs(table: list[dict], keys: dict[str, str]) -> dict[str, list[int]]:
+    """Each projection's fastest fragment_rows tiles per rows bucket of the rows timed
+    (kernel.fragment_rows_bucket), keyed as kernel.fragment_rows_config reads them; the
+    largest count timed in a bucket decides it."""
+    best = {}
+    for m in sorted({row["rows"] for row in table}):
+        timed = [r for r in table if r["rows"] == m and r["variant"].startswith("fragment rows")]
+        for name, key in keys.items():
+            fastest = min(timed, key=lambda r: r["us"][name])
+            tiles = fastest["variant"].removeprefix("fragment rows ").strip("()").split(", ")
+            best[f"{key},{kernel.fragment_rows_bucket(m)}"] = [int(t) for t in tiles]
+    return best
+
+
 def _projection(gen, n: int, k: int, dtype) -> dict:
     groups = k // GROUP
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda", generator=gen)
@@ -112,10 +192,14 @@ def _projection(gen, n: int, k: int, dtype) -> dict:
 
 
 def _run(x, q, variant):
-    """variant: None (the stored layout) or (tiles, zeros by sum), passed explicitly (not the
-    saved per-shape configs)."""
-    if variant is None:
+    """variant: None (the stored layout), (tiles, zeros by sum), passed explicitly (not the
+    saved per-shape configs), or ("rows", "stored" | "matmul" | fragment_rows' tiles)."""
+    if variant is None or variant == ("rows", "stored"):
         return kernel.packed_matmul(x, q["qweight"], q["scales"], q["zeros"], None, 4, GROUP)
+    if variant == ("rows", "matmul"):
+        return kernel.fragment_matmul(x, q["frags"])
+    if variant[0] == "rows":
+        return kernel.fragment_rows(x, q["frags"], variant[1])
     tiles, by_sum = variant
     return kernel.fragment_gemv(x, q["frags"], tiles, zero_by_sum=by_sum)
 

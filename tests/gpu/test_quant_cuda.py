@@ -114,10 +114,46 @@ def test_awq_model_greedy_equal_with_and_without_graphs(awq_checkpoint):
                   cuda_graphs=graphs)
         proj = llm.engine.loaded.model.model.layers[0].mlp.gate_up_proj
         assert type(proj).__name__ == "PackedLinear"
+        assert proj.fragments is not None and proj.qweight is None  # the CUDA layout
         runs[graphs] = [o.token_ids for o in llm.generate(PROMPTS, params)]
         assert (llm.engine.runner.step_counts["graph"] > 0) == graphs
         del llm
     assert runs[True] == runs[False]
+
+
+def test_awq_model_on_fragments_is_as_close_to_float32_as_the_stored_layout(awq_checkpoint,
+                                                                           monkeypatch):
+    """The int4 fragments (the CUDA default) and the stored layout's kernels (INT4_FRAGMENTS
+    off) on the tiny AWQ model in bfloat16, batch 1 and a batch of three, against the same
+    checkpoint in float32 on the CPU: over each run's steps up to its first token that differs
+    from float32's, the fragments' logprobs are no further from float32's than the stored
+    layout's (both round differently; the fragments sum in float32 tensor-core products)."""
+    from noesis import LLM, SamplingParams
+    from noesis.quant import linear
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    ref = LLM(str(awq_checkpoint), device="cpu", dtype="float32", progress=False)
+    want = ref.generate(PROMPTS[:3], params)
+
+    def error(prompts, fragments):
+        with monkeypatch.context() as patch:
+            patch.setattr(linear, "INT4_FRAGMENTS", fragments)
+            llm = LLM(str(awq_checkpoint), device="cuda", dtype="bfloat16", progress=False)
+            proj = llm.engine.loaded.model.model.layers[0].self_attn.qkv_proj
+            assert (proj.fragments is not None) == fragments
+            outs = llm.generate(prompts, params)
+        errors = []
+        for out, ref_out in zip(outs, want, strict=False):
+            for step, (a, b) in enumerate(zip(out.token_ids, ref_out.token_ids, strict=True)):
+                if a != b:
+                    break
+                errors.append(abs(out.logprobs[step][a] - ref_out.logprobs[step][b]))
+        assert len(errors) >= 3 * len(prompts)
+        return sum(errors) / len(errors)
+
+    for prompts in ([PROMPTS[0]], PROMPTS[:3]):
+        frags, stored = error(prompts, True), error(prompts, False)
+        assert frags <= 1.25 * stored + 1e-3, (frags, stored)
 
 
 def packed_projection(n, k, bits, group, gen):
@@ -196,7 +232,7 @@ def test_awq_model_on_the_fused_packed_block_matches_the_unfused_one(awq_checkpo
     from noesis import LLM, SamplingParams
     from noesis.kernels import ops
     from noesis.models import layers
-    from noesis.quant import packed_row
+    from noesis.quant import linear, packed_row
 
     def generate(graphs, fused=True):  # the engine sets ops.ONE_ROW_FUSION from its option
         llm = LLM(str(awq_checkpoint), device="cuda", dtype="bfloat16", progress=False,
@@ -204,6 +240,7 @@ def test_awq_model_on_the_fused_packed_block_matches_the_unfused_one(awq_checkpo
         return llm.generate([PROMPTS[2]], params)[0]
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    monkeypatch.setattr(linear, "INT4_FRAGMENTS", False)  # the block reads the stored layout
     want = generate(graphs=False, fused=False)
     assert not ops.ONE_ROW_FUSION
     monkeypatch.setattr(layers, "PACKED_ONE_ROW", True)  # off by default: slower (RESULTS.md)

@@ -119,6 +119,28 @@ def test_fragment_gemv_equals_the_stored_layouts_matmul(dtype):
         kernel.fragment_gemv(x.float(), frags)
 
 
+@pytest.mark.parametrize("rows, tiles, most, dtype", [
+    (1, (1, 2, 1, 1), 64, torch.bfloat16), (6, (2, 1, 2, 1), 64, torch.float16),
+    (13, (1, 2, 1, 2), 64, torch.bfloat16), (13, (1, 1, 1, 1), 8, torch.float16)])  # fmt: skip
+def test_fragment_rows_put_each_row_of_x_in_its_own_mma_column(rows, tiles, most, dtype,
+                                                               monkeypatch):  # fmt: skip
+    """Several rows of x at once (x's rows as the mma's B columns, eight a group, a weight chunk
+    decoded once for all groups): every output against dequantize-then-matmul, across partial
+    groups, two groups a program, a partial last tile, K split over warps, two tiles a warp
+    (40 columns: three tiles, the fourth past the end), and two programs along M (at most 8
+    rows a program)."""
+    monkeypatch.setattr(kernel, "FRAG_ROWS_MAX", most)
+    n, cols, group = 40, 256, 128
+    qweight, scales, zeros, codes = _int4(n, cols, group, dtype, seed=rows)
+    frags = Int4Fragments.pack(qweight, scales, zeros, group)
+    frags.words, frags.params = frags.words.to(DEVICE), frags.params.to(DEVICE)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    y = kernel.fragment_rows(x.to(DEVICE), frags, tiles)
+    assert y.shape == (rows, n) and y.dtype == dtype
+    ref = x.double() @ _exact(codes, scales, zeros, group).T
+    assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+
+
 @pytest.mark.parametrize("rows, n, k, group", [(5, 40, 256, 128), (20, 48, 192, 64)])
 def test_fragment_matmul_equals_dequantize_then_matmul(rows, n, k, group):
     """Many rows through tl.dot over decoded fragment tiles (float16: the interpreter's
@@ -131,7 +153,7 @@ def test_fragment_matmul_equals_dequantize_then_matmul(rows, n, k, group):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)).to(dtype)
         y = kernel.fragment_matmul(x.to(DEVICE), frags)
         assert y.shape == (rows, n) and y.dtype == dtype
-        weight = frags.dequantize(dtype).double()  # rounded as the kernel rounds it
+        weight = frags.dequantize(dtype).double().cpu()  # rounded as the kernel rounds it
         ref = x.double() @ weight.T
         assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
 
@@ -150,29 +172,37 @@ def _packed_linear(k, n, bits, group, dtype=torch.bfloat16):
     return layer
 
 
-def test_packed_linear_decodes_one_row_from_fragments_when_asked(monkeypatch):
-    """With the fragments (quant.linear.INT4_FRAGMENTS at a CUDA load), a one-row step reads
-    them through the mma GEMV (equal to dequantize-then-matmul), two rows through the fragment
-    matmul (only the dispatch is checked here: the interpreter's bfloat16 tl.dot is wrong), and
-    the stored layout's kernel is not called."""
-    from noesis.kernels import ops
+def test_packed_linear_reads_fragments_by_the_launch_that_suits_its_rows(monkeypatch):
+    """Once laid out as fragments (what a CUDA load does, quant.linear.INT4_FRAGMENTS), a
+    PackedLinear holds only them (the stored tensors freed, the fragments buffers that follow
+    the module), dequantizes to the same weights, reads one row through the mma GEMV and three
+    rows with the rows as the mma's columns (both equal to dequantize-then-matmul), more than
+    FRAG_ROWS_MAX rows through the fragment matmul (only the dispatch is checked here: the
+    interpreter's bfloat16 tl.dot is wrong), and never calls the stored layout's kernel."""
     from noesis.quant import linear
 
     layer = _packed_linear(256, 48, 4, 128).to(DEVICE)
+    weight = layer.dequantize()
     assert linear.fragment_projections(torch.nn.Sequential(layer)) == 1
-    assert torch.equal(layer.fragments.dequantize(torch.bfloat16), layer.dequantize().cpu())
-    if DEVICE == "cpu":
-        monkeypatch.setattr(ops, "use_triton", lambda x: True)  # the CUDA dispatch, interpreted
+    assert layer.qweight is None and layer.scales is None and layer.qzeros is None
+    assert {name for name, _ in layer.named_parameters()} == set()
+    assert {name for name, _ in layer.named_buffers()} == {"fragment_words", "fragment_params"}
+    assert torch.equal(layer.dequantize(), weight)
+    assert layer.use_fragments()  # a second call keeps them
     stored, matmul = [], []
     monkeypatch.setattr(kernel, "packed_matmul", lambda x, *a: stored.append(x.shape[0]))
     monkeypatch.setattr(kernel, "fragment_matmul",
                         lambda x, f: matmul.append(x.shape[0]) or x.new_zeros(x.shape[0], 48))
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEVICE)
-    ref = x.double() @ layer.dequantize().double().T
-    assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max())
-    layer(torch.randn(2, 256, generator=gen).bfloat16().to(DEVICE))
-    assert (stored, matmul) == ([], [2])
+    for rows in (1, 3):
+        x = torch.randn(rows, 256, generator=gen).bfloat16().to(DEVICE)
+        ref = x.double() @ weight.double().T
+        assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max())
+    many = kernel.FRAG_ROWS_MAX + 1
+    layer(torch.randn(many, 256, generator=gen).bfloat16().to(DEVICE))
+    assert (stored, matmul) == ([], [many])
+    moved = layer.to("meta")
+    assert moved.fragments.words.device.type == "meta"
 
 
 def test_only_fitting_projections_take_fragments():

@@ -37,6 +37,8 @@ FRAGMENT_LAUNCHES = {
     "decode int4 fragments bf16 g128": (1, 14336 * 2, 4096, 128, "bfloat16"),
     "decode int4 fragments f16 g64": (1, 4096, 14336, 64, "float16"),
     "decode int4 fragments bf16 g128, zeros after the products": (1, 4096, 14336, 128, "sum"),
+    "8 rows int4 fragments bf16 g128": (8, 6144, 4096, 128, "bfloat16"),
+    "64 rows int4 fragments f16 g64, two tiles a warp": (64, 4096, 14336, 64, "float16"),
     "prefill int4 fragments bf16 g128": (300, 4096, 4096, 128, "bfloat16"),
 }
 
@@ -58,7 +60,7 @@ def compile_all() -> dict[str, str]:
             return lambda *args, **kwargs: recorded.append((self.real, args, kwargs))
 
     for name in ("_packed_gemv", "_packed_gemv_dot", "_packed_matmul", "_int4_frag_gemv",
-                 "_int4_frag_matmul"):
+                 "_int4_frag_rows", "_int4_frag_matmul"):
         setattr(kernel, name, Recorder(getattr(kernel, name)))
     bf16 = torch.bfloat16
     reports = {}
@@ -84,6 +86,8 @@ def compile_all() -> dict[str, str]:
             x = torch.zeros(m, k, dtype=frags.dtype)
             if m == 1:
                 kernel.fragment_gemv(x, frags, zero_by_sum=by_sum)
+            elif m <= kernel.FRAG_ROWS_MAX:
+                kernel.fragment_rows(x, frags, (1, 4, 1, 2) if m > 8 else None)
             else:
                 kernel.fragment_matmul(x, frags)
             (launch,) = recorded

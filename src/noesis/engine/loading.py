@@ -152,8 +152,11 @@ def load_model(
         bytes_read = load_weights(module, config, model_dir, progress=progress, clock=clock)
     if config.moe is not None and config.moe.mxfp4 and mxfp4.keeps_packed(device):
         mxfp4.fragment_experts(module)  # the layout the experts kernels read
-    if device.type == "cuda" and quant_linear.INT4_FRAGMENTS:
-        quant_linear.fragment_projections(module)  # an experiment, off by default
+    if quant_linear.INT4_FRAGMENTS and device.type == "cuda":
+        from noesis.kernels.asm import bf16x2_asm  # (its Triton functions: imported late)
+
+        if bf16x2_asm(device):
+            quant_linear.fragment_projections(module)  # the layout the int4 kernels read fastest
     module.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the copies are done: place_s is the whole placement

@@ -20,6 +20,8 @@ dtype's 16-bit floats, and -(128 + zero) (float16: -(1024 + zero)) of the same r
 
 from __future__ import annotations
 
+import re
+
 import triton
 import triton.language as tl
 
@@ -101,16 +103,66 @@ def _zero_by_sum_asm() -> str:
 INT4_BF16_SUM_CHUNK_ASM = tl.constexpr(_zero_by_sum_asm())
 
 
+def _decode_asm(ty: str, base: int, one: int) -> str:
+    """A chunk's four words ($16-$19) and the group's -(base + zero) pair ($20) -> the sixteen
+    A registers of its four mma ($0-$15, word j's in 4j .. 4j + 3): decoded once, then met by
+    several groups of x rows (INT4_ROWS_MMA_ASM)."""
+    body = "".join(re.sub(r"\ba([0-3])\b", f"a{j}_\\1", _DECODE.format(w=f"${16 + j}", ty=ty))
+                   for j in range(4))  # fmt: skip
+    regs = ", ".join(f"a{j}_{i}" for j in range(4) for i in range(4))
+    outs = "".join(f"mov.b32 ${4 * j + i}, a{j}_{i};\n" for j in range(4) for i in range(4))
+    return (
+        f"{{\n.reg .b32 m, o, one, zg, zh, t, {regs};\n"
+        f"mov.b32 m, 0x000F000F; mov.b32 o, {base * 0x10001:#x}; mov.b32 one, {one * 0x10001:#x};\n"
+        "prmt.b32 zg, $20, $20, 0x1010; prmt.b32 zh, $20, $20, 0x3232;\n"
+        + body + outs + "}"
+    )
+
+
+def _rows_mma_asm(ty: str, scale_lo: str, scale_hi: str) -> str:
+    """A chunk's decoded A registers ($8-$23) against eight different x rows (the B operand:
+    lane 4g + t holds row g's x, $24-$31) and the group's scale pair ($32): the running sums
+    ($4-$7) of (rows g, x row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) -> $0-$3."""
+    body = "".join(
+        _MMA.format(ty=ty, b0=f"${24 + 2 * j}", b1=f"${25 + 2 * j}",
+                    c="zf, zf, zf, zf" if j == 0 else "d0, d1, d2, d3")
+        .replace("a0, a1, a2, a3", ", ".join(f"${8 + 4 * j + i}" for i in range(4)))
+        for j in range(4)
+    )  # fmt: skip
+    return (
+        "{\n.reg .b32 sc;\n.reg .f32 zf, f, d0, d1, d2, d3;\n.reg .b16 lo, hi;\n"
+        "mov.f32 zf, 0f00000000;\n" + body + "mov.b32 {lo, hi}, $32;\n"
+        + scale_lo + "fma.rn.f32 $0, d0, f, $4; fma.rn.f32 $1, d1, f, $5;\n"
+        + scale_hi + "fma.rn.f32 $2, d2, f, $6; fma.rn.f32 $3, d3, f, $7;\n}"
+    )
+
+
+_BF16_SCALES = ("shl.b32 sc, $32, 16; mov.b32 f, sc;\n",
+                "and.b32 sc, $32, 0xFFFF0000; mov.b32 f, sc;\n")  # fmt: skip
+_F16_SCALES = ("cvt.f32.f16 f, lo;\n", "cvt.f32.f16 f, hi;\n")
+INT4_BF16_DECODE_ASM = tl.constexpr(_decode_asm("bf16", 0x4300, 0x3F80))
+INT4_F16_DECODE_ASM = tl.constexpr(_decode_asm("f16", 0x6400, 0x3C00))
+INT4_BF16_ROWS_MMA_ASM = tl.constexpr(_rows_mma_asm("bf16", *_BF16_SCALES))
+INT4_F16_ROWS_MMA_ASM = tl.constexpr(_rows_mma_asm("f16", *_F16_SCALES))
+
+
 @triton.jit
 def int4_chunk_sums(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, pw, zw, sum_g, sum_h,
                     F16: tl.constexpr):  # fmt: skip
     """The chunk assembly's sums in float32 Triton operations (the interpreter, GPUs before
     sm_80): this lane's share of each mma, word j meeting x's words 2j and 2j + 1."""
+    d_g, d_h = int4_chunk_dots(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, pw, zw, F16)
+    return sum_g + d_g, sum_h + d_h
+
+
+@triton.jit
+def int4_chunk_dots(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, pw, zw, F16: tl.constexpr):
+    """This lane's scaled dots of rows g and g + 8 with x over its own columns of the chunk."""
     d_g = _word_dot(w0, x0, x1, zw, 0, F16) + _word_dot(w1, x2, x3, zw, 0, F16)
     d_g += _word_dot(w2, x4, x5, zw, 0, F16) + _word_dot(w3, x6, x7, zw, 0, F16)
     d_h = _word_dot(w0, x0, x1, zw, 1, F16) + _word_dot(w1, x2, x3, zw, 1, F16)
     d_h += _word_dot(w2, x4, x5, zw, 1, F16) + _word_dot(w3, x6, x7, zw, 1, F16)
-    return sum_g + d_g * _half(pw, 0, F16), sum_h + d_h * _half(pw, 1, F16)
+    return d_g * _half(pw, 0, F16), d_h * _half(pw, 1, F16)
 
 
 @triton.jit

@@ -149,4 +149,4 @@ def _one_row_projection(proj: nn.Module) -> bool:
     if type(proj) is nn.Linear:
         return True
     return (PACKED_ONE_ROW and type(proj) is PackedLinear and proj.bias is None
-            and proj.whole_tile_groups())
+            and proj.fragments is None and proj.whole_tile_groups())

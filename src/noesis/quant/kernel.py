@@ -35,7 +35,14 @@ import triton.language as tl
 
 from noesis.kernels import pdl
 from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
-from noesis.kernels.frag_gemv import INT4_BF16, INT4_BF16_SUM, INT4_F16, frag_gemv, frag_matmul
+from noesis.kernels.frag_gemv import (
+    INT4_BF16,
+    INT4_BF16_SUM,
+    INT4_F16,
+    frag_gemv,
+    frag_matmul,
+    frag_rows,
+)
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.quant.int4_fragments import Int4Fragments
 
@@ -56,6 +63,10 @@ FRAG_CONFIG_FILE = Path(__file__).with_name("frag_configs.json")
 FRAG_ZERO_BY_SUM = False
 # The fragment matmul (more rows): tiles of 16 rows a program (its N block is 16 x this).
 FRAG_MATMUL_TILES = 4
+# fragment_rows: (warps along N, warps along K, chunks a warp's iteration, tiles a warp) and
+# the most rows of x a program takes (8 a group of the mma's B columns; more rows, more programs)
+FRAG_ROWS_TILES = (1, 4, 2, 1)
+FRAG_ROWS_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -635,6 +646,70 @@ def _int4_frag_gemv(
     tl.store(out_ptr + r * N + rows + 8, sum_h.to(dtype), mask=ok & (rows + 8 < N))
 
 
+def fragment_linear(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
+    """x [M, K] @ dequantize(W)^T over int4 fragments by the launch that suits M rows: one
+    (fragment_gemv), up to FRAG_ROWS_MAX (fragment_rows), more (fragment_matmul)."""
+    rows = x.shape[0]
+    if rows == 1:
+        return fragment_gemv(x, frags)
+    if rows <= FRAG_ROWS_MAX:
+        return fragment_rows(x, frags)
+    return fragment_matmul(x, frags)
+
+
+def fragment_rows(x: torch.Tensor, frags: Int4Fragments,
+                  tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments for a few rows
+    (decode batches, a verify step): the rows are the mma's B columns, eight a group and up to
+    FRAG_ROWS_MAX a program, so each chunk of weights is read and decoded once for all of them
+    (fragment_gemv reads the weights once a row)."""
+    m, k = x.shape
+    x = word_aligned(_fragment_input(x, frags))
+    warps, split, chunks, per_warp = tiles or fragment_rows_config(frags, m, x.device)
+    groups = min(triton.next_power_of_2(triton.cdiv(max(m, 1), 8)), FRAG_ROWS_MAX // 8)
+    n = frags.out_features
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, 8 * groups), triton.cdiv(frags.tiles, warps * per_warp))
+        _int4_frag_rows[grid](
+            x, frags.words, frags.params, y, m, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
+            NG=frags.groups, GC=frags.group_size // 64, WARPS=warps, KSPLIT=split, CH=chunks,
+            TPW=per_warp, NO_ASM=not bf16x2_asm(x.device), F16=x.dtype == torch.float16,
+            GROUPS=groups, num_warps=warps * split, **pdl.pdl_launch(x),
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _int4_frag_rows(
+    x_ptr, w_ptr, p_ptr, out_ptr, M, N: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
+    K: tl.constexpr, NG: tl.constexpr, GC: tl.constexpr, WARPS: tl.constexpr,
+    KSPLIT: tl.constexpr, CH: tl.constexpr, TPW: tl.constexpr, NO_ASM: tl.constexpr,
+    F16: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out[rows, cols] = x[rows] @ W[cols].T for 8 GROUPS rows and WARPS TPW tiles of 16
+    columns, rounded to out's dtype."""
+    if PDL:
+        gdc_wait()  # x
+    r0 = tl.program_id(0) * 8 * GROUPS
+    tile0 = tl.program_id(1) * WARPS * TPW
+    sums = frag_rows(x_ptr + r0.to(tl.int64) * K, M - r0, w_ptr, p_ptr, tile0, NT, KC, K, WARPS,
+                     KSPLIT, CH, TPW, NO_ASM, F16, GC, NG, GROUPS)  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+    m = tl.arange(0, WARPS * 32)
+    lane = m % 32
+    dtype = out_ptr.dtype.element_ty
+    for r in tl.static_range(GROUPS):
+        for j in tl.static_range(TPW):
+            for i in tl.static_range(4):
+                col = (tile0 + (m // 32) * TPW + j) * 16 + lane // 4 + 8 * (i // 2)
+                row = r0 + 8 * r + 2 * (lane % 4) + i % 2
+                tl.store(out_ptr + row.to(tl.int64) * N + col,
+                         sums[4 * (TPW * r + j) + i].to(dtype),
+                         mask=(row < M) & (col < N))  # fmt: skip
+
+
 def fragment_matmul(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
     """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments for many rows:
     each chunk of 64 columns of FRAG_MATMUL_TILES tiles decoded to weights in x's dtype
@@ -652,6 +727,19 @@ def fragment_matmul(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
             num_warps=4,
         )  # fmt: skip
     return y
+
+
+def fragment_rows_bucket(rows: int) -> int:
+    """fragment_rows' tuned row counts: 8 (one group of the mma's columns), 16, 32, 64."""
+    return max(8, min(triton.next_power_of_2(rows), FRAG_ROWS_MAX))
+
+
+def fragment_rows_config(frags: Int4Fragments, rows: int,
+                         device: torch.device) -> tuple[int, int, int, int]:  # fmt: skip
+    """fragment_rows' tiles for this projection, rows bucket and GPU model: the sweep's
+    (frag_configs.json, key fragment_key + the bucket), else FRAG_ROWS_TILES."""
+    tuned = _device_frag_configs(device).get(f"{fragment_key(frags)},{fragment_rows_bucket(rows)}")
+    return FRAG_ROWS_TILES if tuned is None else tuple(tuned)
 
 
 def fragment_key(frags: Int4Fragments) -> str:

@@ -23,14 +23,14 @@ from noesis.quant.scheme import WeightQuant, weight_quant
 # Dequantized elements per tile of the portable path: bounds its temporary memory (64 MiB of
 # float32 at most, several temporaries of it) whatever the projection's size.
 TILE_ELEMENTS = 1 << 22
-# Experimental (issue 19): a CUDA load also lays each eligible int4 projection's codes out as
-# tensor-core fragments (quant/int4_fragments.py, `fragment_projections`), and its forward reads
-# those: up to FRAGMENT_ROWS rows through kernel.fragment_gemv (mma.sync), more through
-# kernel.fragment_matmul (tl.dot). Off until it is measured winning
-# (benchmarks/int4_fragments.py; gpu_quant.py's "fragments" variant turns it on): it holds the
-# codes twice.
-INT4_FRAGMENTS = False
-FRAGMENT_ROWS = 1
+# A CUDA load (sm_80 or later) lays each eligible int4 projection's codes out as tensor-core
+# fragments (quant/int4_fragments.py, `fragment_projections`) in place of the stored layout, and
+# its forward reads those (kernel.fragment_linear: one row, up to 64 rows as the mma's columns,
+# tl.dot tiles beyond). Measured against the stored layout's kernels on an H200, 8B shape, AWQ
+# int4 g128 (benchmarks/RESULTS.md, nineteenth session): 467 against 348 tok/s at batch 1,
+# 3035 against 1197 at batch 8, 7160 against 6685 at batch 64, prefill 5-7% faster. False keeps
+# the stored layout (the benchmarks' comparison).
+INT4_FRAGMENTS = True
 
 
 class PackedLinear(nn.Module):
@@ -63,36 +63,53 @@ class PackedLinear(nn.Module):
         # Whether groups follow g_idx (GPTQ act-order) rather than the column order; decided by
         # check_loaded from the loaded table, so that ordered checkpoints take the faster path.
         self.act_order = False
-        self.fragments: Int4Fragments | None = None  # use_fragments (INT4_FRAGMENTS)
+        self._fragment_dtype: torch.dtype | None = None  # use_fragments (INT4_FRAGMENTS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # [T, K]
-        groups = self.g_idx[0] if self.act_order else None
-        if ops.use_triton(flat):
+        frags = self.fragments
+        if frags is not None:
             from noesis.quant import kernel
 
-            frags = self.fragments
-            if frags is not None and flat.dtype == frags.dtype:
-                y = (kernel.fragment_gemv(flat, frags) if flat.shape[0] <= FRAGMENT_ROWS
-                     else kernel.fragment_matmul(flat, frags))  # fmt: skip
-            else:
-                y = kernel.packed_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
-                                         self.bits, self.group_size)
+            y = kernel.fragment_linear(flat, frags)
+        elif ops.use_triton(flat):
+            from noesis.quant import kernel
+
+            groups = self.g_idx[0] if self.act_order else None
+            y = kernel.packed_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
+                                     self.bits, self.group_size)
         else:
+            groups = self.g_idx[0] if self.act_order else None
             y = dequantized_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
                                    self.bits, self.group_size)
         y = y.view(*x.shape[:-1], self.out_features)  # [..., N]
         return y if self.bias is None else y + self.bias
 
+    @property
+    def fragments(self) -> Int4Fragments | None:
+        """The codes as tensor-core fragments, once `use_fragments` laid them out (read from
+        this module's buffers, so that they follow it across devices)."""
+        if self._fragment_dtype is None:
+            return None
+        return Int4Fragments(self.fragment_words, self.fragment_params, self.out_features,
+                             self.in_features, self.group_size, self._fragment_dtype)  # fmt: skip
+
     def use_fragments(self) -> bool:
-        """Also hold the codes as tensor-core fragments (INT4_FRAGMENTS), if this projection
-        fits them: int4, groups in column order of a multiple of 64 columns, 16-bit float
-        scales. Whether it did."""
+        """Lay the codes out as tensor-core fragments in place of the stored layout (qweight,
+        scales and qzeros are freed), if this projection fits them: int4, groups in column
+        order of a multiple of 64 columns, 16-bit float scales. Whether it did."""
+        if self._fragment_dtype is not None:
+            return True
         fits = (self.bits == 4 and not self.act_order and self.group_size % CHUNK == 0
                 and self.scales.dtype in (torch.bfloat16, torch.float16))  # fmt: skip
         if fits:
-            self.fragments = Int4Fragments.pack(self.qweight, self.scales, self.qzeros,
-                                                self.group_size)  # fmt: skip
+            frags = Int4Fragments.pack(self.qweight, self.scales, self.qzeros, self.group_size)
+            for name in ("qweight", "scales", "qzeros"):
+                delattr(self, name)
+                setattr(self, name, None)
+            self.register_buffer("fragment_words", frags.words)
+            self.register_buffer("fragment_params", frags.params)
+            self._fragment_dtype = frags.dtype
         return fits
 
     def whole_tile_groups(self) -> bool:
@@ -105,6 +122,9 @@ class PackedLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float weight [N, K] this layer multiplies by, in the scales' dtype."""
+        frags = self.fragments
+        if frags is not None:
+            return frags.dequantize(frags.dtype)
         groups = self.g_idx[0] if self.act_order else None
         index = group_index(groups, self.in_features, self.group_size, self.qweight.device)
         return dequantize(self.qweight, self.scales, self.qzeros, index, self.bits)
@@ -132,8 +152,9 @@ class PackedLinear(nn.Module):
 
 
 def fragment_projections(model: nn.Module) -> int:
-    """Every int4 PackedLinear of a loaded `model` that fits the fragment layout gets it
-    (`PackedLinear.use_fragments`); returns how many."""
+    """Every int4 PackedLinear of a loaded `model` that fits the fragment layout takes it in
+    place of the stored one (`PackedLinear.use_fragments`), one at a time (the extra memory is
+    one projection's); returns how many."""
     return sum(m.use_fragments() for m in model.modules() if type(m) is PackedLinear)
 
 
