@@ -65,11 +65,9 @@ def main() -> None:
     bandwidth = copy_bandwidth("cuda", 1 << 30)
     if args.rows:
         return _rows_table(args, layers, dtype, gen, bandwidth)
-    by_sum = (False, True) if args.dtype == "bfloat16" else (False,)  # zeros after the products
     variants = {"stored layout": None}
     for tiles in [kernel.FRAG_TILES] + (SWEEP if args.tiles else []):
-        for zeros in by_sum:
-            variants[f"fragments {tiles}{', zeros by sum' if zeros else ''}"] = (tiles, zeros)
+        variants[f"fragments {tiles}"] = tiles
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
           f"{args.layers} layers of each projection, int4 g{GROUP}, {args.dtype}, one row")
     rows = []
@@ -100,8 +98,7 @@ def main() -> None:
         for name in SHAPES:
             row = min((r for r in rows if variants[r["variant"]] is not None),
                       key=lambda r: r["us"][name])  # fmt: skip
-            tiles, by_sum = variants[row["variant"]]
-            best[kernel.fragment_key(layers[name][0]["frags"])] = [*tiles, int(by_sum)]
+            best[kernel.fragment_key(layers[name][0]["frags"])] = list(variants[row["variant"]])
         _save_configs(args.save_configs, torch.cuda.get_device_name(), best)
         print(f"saved {len(best)} configs to {args.save_configs}")
     if args.json:
@@ -192,16 +189,15 @@ def _projection(gen, n: int, k: int, dtype) -> dict:
 
 
 def _run(x, q, variant):
-    """variant: None (the stored layout), (tiles, zeros by sum), passed explicitly (not the
-    saved per-shape configs), or ("rows", "stored" | "matmul" | fragment_rows' tiles)."""
+    """variant: None (the stored layout), the GEMV's tiles, passed explicitly (not the saved
+    per-shape configs), or ("rows", "stored" | "matmul" | fragment_rows' tiles)."""
     if variant is None or variant == ("rows", "stored"):
         return kernel.packed_matmul(x, q["qweight"], q["scales"], q["zeros"], None, 4, GROUP)
     if variant == ("rows", "matmul"):
         return kernel.fragment_matmul(x, q["frags"])
     if variant[0] == "rows":
         return kernel.fragment_rows(x, q["frags"], variant[1])
-    tiles, by_sum = variant
-    return kernel.fragment_gemv(x, q["frags"], tiles, zero_by_sum=by_sum)
+    return kernel.fragment_gemv(x, q["frags"], variant)
 
 
 def _error(x, q, variant) -> float:

@@ -18,7 +18,7 @@ import triton  # noqa: E402  (after TRITON_INTERPRET)
 from test_mxfp4_mma import sums_kernel  # noqa: E402
 
 from noesis.kernels.asm import bf16x2_asm  # noqa: E402
-from noesis.kernels.frag_gemv import INT4_BF16, INT4_BF16_SUM, INT4_F16  # noqa: E402
+from noesis.kernels.frag_gemv import INT4_BF16, INT4_F16  # noqa: E402
 from noesis.quant import kernel  # noqa: E402
 from noesis.quant.int4_fragments import Int4Fragments  # noqa: E402
 from noesis.quant.linear import dequantize, group_index  # noqa: E402
@@ -70,17 +70,14 @@ def test_what_the_layout_cannot_hold_is_refused():
         Int4Fragments.pack(qweight, scales, zeros, 128)
 
 
-@pytest.mark.parametrize("dtype, form", [(torch.bfloat16, INT4_BF16), (torch.float16, INT4_F16),
-                                         (torch.bfloat16, INT4_BF16_SUM)])  # fmt: skip
+@pytest.mark.parametrize("dtype, form", [(torch.bfloat16, INT4_BF16), (torch.float16, INT4_F16)])
 @pytest.mark.parametrize("rows, cols, group, tiles", [
     (48, 256, 128, (1, 2, 1)), (40, 384, 64, (2, 1, 2)), (24, 128, 128, (1, 1, 1)),
     (32, 256, 256, (1, 2, 2)),
 ])  # fmt: skip
 def test_frag_gemv_sums_each_row_against_x(dtype, form, rows, cols, group, tiles):
     """Every row's sum in float32 before any rounding: codes less zeros times x, each group
-    scaled once, split over lanes, chunks and warps; padding rows add nothing. (INT4_BF16_SUM
-    takes the zeros out after the products: a GPU runs its own assembly, the interpreter the
-    same float32 sums as INT4_BF16.)"""
+    scaled once, split over lanes, chunks and warps; padding rows add nothing."""
     qweight, scales, zeros, codes = _int4(rows, cols, group, dtype, seed=cols + group)
     frags = Int4Fragments.pack(qweight, scales, zeros, group)
     gen = torch.Generator().manual_seed(7)
@@ -95,9 +92,8 @@ def test_frag_gemv_sums_each_row_against_x(dtype, form, rows, cols, group, tiles
             num_warps=warps * split,
         )  # fmt: skip
         ref = _exact(codes, scales, zeros, group) @ x.cpu().double()
-        tol = 1e-4 if form == INT4_BF16_SUM else 1e-5  # it cancels 128 x the sum of x
-        assert torch.allclose(out[:rows].cpu().double(), ref, rtol=tol,
-                              atol=tol * ref.abs().max())  # fmt: skip
+        assert torch.allclose(out[:rows].cpu().double(), ref, rtol=1e-5,
+                              atol=1e-5 * ref.abs().max())  # fmt: skip
         assert not out[rows:].any()
 
 
@@ -111,10 +107,9 @@ def test_fragment_gemv_equals_the_stored_layouts_matmul(dtype):
     frags.words, frags.params = frags.words.to(DEVICE), frags.params.to(DEVICE)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     ref = x.cpu().double() @ _exact(codes, scales, zeros, group).T
-    for by_sum in (False, True):
-        y = kernel.fragment_gemv(x, frags, zero_by_sum=by_sum)
-        assert y.shape == (3, rows) and y.dtype == dtype
-        assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+    y = kernel.fragment_gemv(x, frags)
+    assert y.shape == (3, rows) and y.dtype == dtype
+    assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
     with pytest.raises(ValueError, match="does not match"):
         kernel.fragment_gemv(x.float(), frags)
 
@@ -219,13 +214,16 @@ def test_fragment_config_reads_the_sweeps_file_for_this_gpu(tmp_path, monkeypatc
     frags = Int4Fragments.pack(qweight, scales, zeros, 128)
     assert kernel.fragment_key(frags) == "48,256,bfloat16"
     path = tmp_path / "frag_configs.json"
-    path.write_text('{"cpu": {"48,256,bfloat16": [2, 8, 1, 1]}, "other": {"1,1,x": [1, 1, 1, 0]}}')
+    path.write_text('{"cpu": {"48,256,bfloat16": [2, 8, 1], "48,256,bfloat16,16": [1, 2, 1, 2]},'
+                    ' "other": {"1,1,x": [1, 1, 1]}}')
     monkeypatch.setattr(kernel, "FRAG_CONFIG_FILE", path)
     kernel._device_frag_configs.cache_clear()
     try:
-        assert kernel.fragment_config(frags, torch.device("cpu")) == ((2, 8, 1), True)
+        cpu = torch.device("cpu")
+        assert kernel.fragment_config(frags, cpu) == (2, 8, 1)
+        assert kernel.fragment_rows_config(frags, 9, cpu) == (1, 2, 1, 2)  # rows 9-16
+        assert kernel.fragment_rows_config(frags, 8, cpu) == kernel.FRAG_ROWS_TILES
         other = Int4Fragments.pack(*_int4(16, 128, 128, torch.bfloat16)[:3], 128)
-        assert kernel.fragment_config(other, torch.device("cpu")) == (
-            kernel.FRAG_TILES, kernel.FRAG_ZERO_BY_SUM)
+        assert kernel.fragment_config(other, cpu) == kernel.FRAG_TILES
     finally:
         kernel._device_frag_configs.cache_clear()

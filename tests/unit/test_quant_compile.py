@@ -36,7 +36,6 @@ LAUNCHES = {
 FRAGMENT_LAUNCHES = {
     "decode int4 fragments bf16 g128": (1, 14336 * 2, 4096, 128, "bfloat16"),
     "decode int4 fragments f16 g64": (1, 4096, 14336, 64, "float16"),
-    "decode int4 fragments bf16 g128, zeros after the products": (1, 4096, 14336, 128, "sum"),
     "8 rows int4 fragments bf16 g128": (8, 6144, 4096, 128, "bfloat16"),
     "64 rows int4 fragments f16 g64, two tiles a warp": (64, 4096, 14336, 64, "float16"),
     "prefill int4 fragments bf16 g128": (300, 4096, 4096, 128, "bfloat16"),
@@ -79,13 +78,12 @@ def compile_all() -> dict[str, str]:
             reports[name] = compile_launch(*launch, Path(tmp))["ptxas"]
         for name, (m, n, k, group, dtype) in FRAGMENT_LAUNCHES.items():
             recorded.clear()
-            by_sum = dtype == "sum"  # bfloat16, FORMAT 3
             frags = Int4Fragments(torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32),
                                   torch.zeros(n // 16, k // group, 8, 2, dtype=torch.int32),
-                                  n, k, group, getattr(torch, "bfloat16" if by_sum else dtype))
+                                  n, k, group, getattr(torch, dtype))
             x = torch.zeros(m, k, dtype=frags.dtype)
             if m == 1:
-                kernel.fragment_gemv(x, frags, zero_by_sum=by_sum)
+                kernel.fragment_gemv(x, frags)
             elif m <= kernel.FRAG_ROWS_MAX:
                 kernel.fragment_rows(x, frags, (1, 4, 1, 2) if m > 8 else None)
             else:

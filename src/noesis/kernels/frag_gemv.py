@@ -13,8 +13,7 @@ scale the sums (`FORMAT`):
 - 0, MXFP4: a scale word per (tile, chunk, g), the E8M0 exponents of rows g and g + 8 over the
   chunk's two blocks of 32; x carries 2^100 inside the assembly, the sums 2^26 here.
 - 1 / 2, int4 with bfloat16 / float16 x: two words per (tile, group, g) (int4_mma.py), a
-  group of GC chunks; NG groups a tile. 3: int4 with bfloat16 x, the zero points taken out
-  after the products (int4_mma's INT4_BF16_SUM_CHUNK_ASM; the same layout and sums).
+  group of GC chunks; NG groups a tile.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from noesis.kernels.int4_mma import (
     INT4_BF16_CHUNK_ASM,
     INT4_BF16_DECODE_ASM,
     INT4_BF16_ROWS_MMA_ASM,
-    INT4_BF16_SUM_CHUNK_ASM,
     INT4_F16_CHUNK_ASM,
     INT4_F16_DECODE_ASM,
     INT4_F16_ROWS_MMA_ASM,
@@ -36,7 +34,7 @@ from noesis.kernels.int4_mma import (
 )
 from noesis.kernels.mxfp4_mma import MXFP4_CHUNK_ASM, frag_tile, mxfp4_chunk_sums
 
-MXFP4, INT4_BF16, INT4_F16, INT4_BF16_SUM = 0, 1, 2, 3  # FORMAT
+MXFP4, INT4_BF16, INT4_F16 = 0, 1, 2  # FORMAT
 INT4_CONSTRAINTS = tl.constexpr("=f,=f,f,f" + ",r" * 14)  # sums out; sums, 4 + 8 + 2 words in
 DECODE_CONSTRAINTS = tl.constexpr("=r," * 16 + "r,r,r,r,r")  # A registers out; 4 + 1 words in
 ROWS_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f,f,f,f,f" + ",r" * 25)  # sums; sums, A, x, scales
@@ -145,10 +143,6 @@ def _frag_chunk(words, xa, xb, sw, sum_g, sum_h, NO_ASM: tl.constexpr, FORMAT: t
         operands = [sum_g, sum_h, w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, pw, zw]
         if NO_ASM:
             sum_g, sum_h = int4_chunk_sums(*operands[2:], sum_g, sum_h, FORMAT == 2)
-        elif FORMAT == 3:
-            sum_g, sum_h = tl.inline_asm_elementwise(
-                INT4_BF16_SUM_CHUNK_ASM, INT4_CONSTRAINTS, operands,
-                dtype=(tl.float32, tl.float32), is_pure=True, pack=1)  # fmt: skip
         elif FORMAT == 2:
             sum_g, sum_h = tl.inline_asm_elementwise(
                 INT4_F16_CHUNK_ASM, INT4_CONSTRAINTS, operands, dtype=(tl.float32, tl.float32),

@@ -72,37 +72,6 @@ INT4_F16_CHUNK_ASM = tl.constexpr(
 )
 
 
-def _zero_by_sum_asm() -> str:
-    """INT4_BF16_CHUNK_ASM's operands and sums, the zero taken out after the products instead
-    of before: the mma sums (128 + q) x, a second mma with A all ones sums x over the chunk
-    (X), and each row takes -(128 + zero) X once (4 mma and 2 FMAs instead of 16 packed FMAs
-    a chunk). The subtraction cancels 128 X: the float32 error grows to about 2^-17 of the
-    chunk's sum of |x| (bfloat16 only; float16's base is 1024)."""
-    body = "".join(
-        _DECODE.split("fma.rn")[0].format(w=f"${4 + j}")
-        + _MMA.format(ty="bf16", b0=f"${8 + 2 * j}", b1=f"${9 + 2 * j}",
-                      c="zf, zf, zf, zf" if j == 0 else "d0, d1, d2, d3")
-        + _MMA.replace("d0, d1, d2, d3", "e0, e1, e2, e3").replace("a0, a1, a2, a3", "u, u, u, u")
-        .format(ty="bf16", b0=f"${8 + 2 * j}", b1=f"${9 + 2 * j}",
-                c="zf, zf, zf, zf" if j == 0 else "e0, e1, e2, e3")
-        for j in range(4)
-    )  # fmt: skip
-    return (
-        "{\n.reg .b32 m, o, u, t, a0, a1, a2, a3, sc;\n"
-        ".reg .f32 zf, f, d0, d1, d2, d3, e0, e1, e2, e3;\n"
-        "mov.b32 m, 0x000F000F; mov.b32 o, 0x43004300; mov.b32 u, 0x3F803F80;\n"
-        "mov.f32 zf, 0f00000000;\n"
-        + body
-        + "shl.b32 sc, $17, 16; mov.b32 f, sc; fma.rn.f32 d0, f, e0, d0;\n"
-        "and.b32 sc, $17, 0xFFFF0000; mov.b32 f, sc; fma.rn.f32 d2, f, e0, d2;\n"
-        "shl.b32 sc, $16, 16; mov.b32 f, sc; fma.rn.f32 $0, d0, f, $2;\n"
-        "and.b32 sc, $16, 0xFFFF0000; mov.b32 f, sc; fma.rn.f32 $1, d2, f, $3;\n}"
-    )
-
-
-INT4_BF16_SUM_CHUNK_ASM = tl.constexpr(_zero_by_sum_asm())
-
-
 def _decode_asm(ty: str, base: int, one: int) -> str:
     """A chunk's four words ($16-$19) and the group's -(base + zero) pair ($20) -> the sixteen
     A registers of its four mma ($0-$15, word j's in 4j .. 4j + 3): decoded once, then met by

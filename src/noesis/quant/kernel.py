@@ -37,7 +37,6 @@ from noesis.kernels import pdl
 from noesis.kernels.asm import bf16_pairs, bf16x2_asm, word_aligned
 from noesis.kernels.frag_gemv import (
     INT4_BF16,
-    INT4_BF16_SUM,
     INT4_F16,
     frag_gemv,
     frag_matmul,
@@ -54,13 +53,11 @@ TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs: the default split
 CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # The int4 fragment GEMV (kernels/frag_gemv.py over quant/int4_fragments.py): tiles of 16 rows a
 # program, warps sharing a tile's chunks, chunks of 64 columns a warp's iteration. MXFP4's best
-# on the H200; per GPU model and shape, frag_configs.json beside this file overrides it (and
-# FRAG_ZERO_BY_SUM below), written by `benchmarks/int4_fragments.py --tiles --save-configs`.
+# on the H200; per GPU model and shape, frag_configs.json beside this file overrides it, written
+# by `benchmarks/int4_fragments.py --tiles --save-configs` (and `--rows ... --save-configs` for
+# fragment_rows, keyed by the rows bucket too).
 FRAG_TILES = (1, 4, 2)
 FRAG_CONFIG_FILE = Path(__file__).with_name("frag_configs.json")
-# bfloat16 fragment GEMVs take the zero points out after the products (frag_gemv FORMAT 3: 4 more
-# mma and 16 fewer packed FMAs a chunk), not yet timed against taking them out of each code.
-FRAG_ZERO_BY_SUM = False
 # The fragment matmul (more rows): tiles of 16 rows a program (its N block is 16 x this).
 FRAG_MATMUL_TILES = 4
 # fragment_rows: (warps along N, warps along K, chunks a warp's iteration, tiles a warp) and
@@ -599,16 +596,14 @@ def _prefill(x, qweight, scales, qzeros, groups, bits, group_size, mins):
 
 
 def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
-                  tiles: tuple[int, int, int] | None = None,
-                  zero_by_sum: bool | None = None) -> torch.Tensor:  # fmt: skip
+                  tiles: tuple[int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments (the tensor
     cores' mma.sync on sm_80 and later; the same sums in float32 Triton operations elsewhere),
-    each row of x its own programs (decode: every row reads the weights again). `tiles` and
-    `zero_by_sum` (bfloat16 only) override fragment_config's (the sweep's)."""
+    each row of x its own programs (decode: every row reads the weights again). `tiles`
+    overrides fragment_config's (the sweep's)."""
     m, k = x.shape
     x = word_aligned(_fragment_input(x, frags))
-    tuned_tiles, tuned_sum = fragment_config(frags, x.device)
-    warps, split, chunks = tiles or tuned_tiles
+    warps, split, chunks = tiles or fragment_config(frags, x.device)
     n = frags.out_features
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -616,7 +611,7 @@ def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
             x, frags.words, frags.params, y, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
             NG=frags.groups, GC=frags.group_size // 64, WARPS=warps, KSPLIT=split, CH=chunks,
             NO_ASM=not bf16x2_asm(x.device),
-            FORMAT=_gemv_format(x.dtype, tuned_sum if zero_by_sum is None else zero_by_sum),
+            FORMAT=INT4_F16 if x.dtype == torch.float16 else INT4_BF16,
             num_warps=warps * split, **pdl.pdl_launch(x),
         )  # fmt: skip
     return y
@@ -747,13 +742,11 @@ def fragment_key(frags: Int4Fragments) -> str:
     return f"{frags.out_features},{frags.in_features},{str(frags.dtype).removeprefix('torch.')}"
 
 
-def fragment_config(frags: Int4Fragments, device: torch.device) -> tuple[tuple, bool]:
-    """(FRAG_TILES, zeros by sum) for this projection on this GPU model: the sweep's, else the
-    defaults."""
+def fragment_config(frags: Int4Fragments, device: torch.device) -> tuple[int, int, int]:
+    """The one-row GEMV's tiles for this projection on this GPU model: the sweep's, else
+    FRAG_TILES."""
     tuned = _device_frag_configs(device).get(fragment_key(frags))
-    if tuned is None:
-        return FRAG_TILES, FRAG_ZERO_BY_SUM
-    return tuple(tuned[:3]), bool(tuned[3])
+    return FRAG_TILES if tuned is None else tuple(tuned)
 
 
 @functools.cache
@@ -761,12 +754,6 @@ def _device_frag_configs(device: torch.device) -> dict[str, list[int]]:
     if not FRAG_CONFIG_FILE.exists():
         return {}
     return json.loads(FRAG_CONFIG_FILE.read_text()).get(_device_name(device), {})
-
-
-def _gemv_format(dtype: torch.dtype, zero_by_sum: bool) -> int:
-    if dtype == torch.float16:
-        return INT4_F16
-    return INT4_BF16_SUM if zero_by_sum else INT4_BF16
 
 
 def _fragment_input(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
