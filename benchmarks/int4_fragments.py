@@ -10,8 +10,9 @@ over the copy bandwidth measured in the same run.
     python benchmarks/int4_fragments.py --tiles --save-configs src/noesis/quant/frag_configs.json
     python benchmarks/int4_fragments.py --rows 2,8,16,32,64 [--tiles]
 
---rows times several rows of x (decode batches) instead: the stored layout's tuned decode
-launch, the fragment matmul (tl.dot), fragment_rows (x's rows as the mma's columns; --tiles
+--rows times several rows of x (decode batches, prefill) instead: the stored layout's tuned
+launch, the fragment matmul (tl.dot), the fragments dequantized into x's dtype then torch.matmul
+(kernel.FRAG_DENSE_ROWS), fragment_rows (x's rows as the mma's columns; --tiles
 sweeps its tiles) and bfloat16 weights through torch.matmul (cuBLAS), each share against its
 own bytes.
 
@@ -108,7 +109,8 @@ def main() -> None:
 
 
 def _rows_table(args, layers, dtype, gen, bandwidth) -> None:
-    variants = {"stored layout": "stored", "fragment matmul": "matmul"}
+    variants = {"stored layout": "stored", "fragment matmul": "matmul",
+                "fragments dequantized + matmul": "dense"}
     for tiles in [kernel.FRAG_ROWS_TILES] + (ROWS_SWEEP if args.tiles else []):
         variants[f"fragment rows {tiles}"] = tiles
     variants["bf16 cuBLAS"] = "bf16"
@@ -195,6 +197,8 @@ def _run(x, q, variant):
         return kernel.packed_matmul(x, q["qweight"], q["scales"], q["zeros"], None, 4, GROUP)
     if variant == ("rows", "matmul"):
         return kernel.fragment_matmul(x, q["frags"])
+    if variant == ("rows", "dense"):
+        return x @ kernel.fragment_dequantize(q["frags"], x.dtype).T
     if variant[0] == "rows":
         return kernel.fragment_rows(x, q["frags"], variant[1])
     return kernel.fragment_gemv(x, q["frags"], variant)

@@ -39,6 +39,7 @@ FRAGMENT_LAUNCHES = {
     "8 rows int4 fragments bf16 g128": (8, 6144, 4096, 128, "bfloat16"),
     "64 rows int4 fragments f16 g64, two tiles a warp": (64, 4096, 14336, 64, "float16"),
     "prefill int4 fragments bf16 g128": (300, 4096, 4096, 128, "bfloat16"),
+    "int4 fragments dequantized, bf16 g128": (0, 28672, 4096, 128, "bfloat16"),
 }
 
 
@@ -59,7 +60,7 @@ def compile_all() -> dict[str, str]:
             return lambda *args, **kwargs: recorded.append((self.real, args, kwargs))
 
     for name in ("_packed_gemv", "_packed_gemv_dot", "_packed_matmul", "_int4_frag_gemv",
-                 "_int4_frag_rows", "_int4_frag_matmul"):
+                 "_int4_frag_rows", "_int4_frag_matmul", "_int4_frag_dequantize"):
         setattr(kernel, name, Recorder(getattr(kernel, name)))
     bf16 = torch.bfloat16
     reports = {}
@@ -82,7 +83,9 @@ def compile_all() -> dict[str, str]:
                                   torch.zeros(n // 16, k // group, 8, 2, dtype=torch.int32),
                                   n, k, group, getattr(torch, dtype))
             x = torch.zeros(m, k, dtype=frags.dtype)
-            if m == 1:
+            if m == 0:
+                kernel.fragment_dequantize(frags, frags.dtype)
+            elif m == 1:
                 kernel.fragment_gemv(x, frags)
             elif m <= kernel.FRAG_ROWS_MAX:
                 kernel.fragment_rows(x, frags, (1, 4, 1, 2) if m > 8 else None)

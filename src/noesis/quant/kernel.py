@@ -42,6 +42,7 @@ from noesis.kernels.frag_gemv import (
     frag_matmul,
     frag_rows,
 )
+from noesis.kernels.int4_mma import int4_frag_tile
 from noesis.kernels.pdl import gdc_launch_dependents, gdc_wait
 from noesis.quant.int4_fragments import Int4Fragments
 
@@ -64,6 +65,13 @@ FRAG_MATMUL_TILES = 4
 # the most rows of x a program takes (8 a group of the mma's B columns; more rows, more programs)
 FRAG_ROWS_TILES = (1, 4, 2, 1)
 FRAG_ROWS_MAX = 64
+# Prefill over fragments: from this many rows, a projection is dequantized once into x's dtype
+# and multiplied by torch.matmul (cuBLAS on CUDA; about 4.5 bytes of traffic a weight) instead
+# of decoding its tiles again for every block of 64 rows (fragment_matmul: 3.5-3.8x bf16's time
+# at 256-1024 rows on the H200). None: never, until timed (`benchmarks/int4_fragments.py --rows
+# 256,1024`, its "dequantized + matmul" variant); it needs a projection's weights in x's dtype
+# as a temporary.
+FRAG_DENSE_ROWS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -643,12 +651,15 @@ def _int4_frag_gemv(
 
 def fragment_linear(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
     """x [M, K] @ dequantize(W)^T over int4 fragments by the launch that suits M rows: one
-    (fragment_gemv), up to FRAG_ROWS_MAX (fragment_rows), more (fragment_matmul)."""
+    (fragment_gemv), up to FRAG_ROWS_MAX (fragment_rows), more (fragment_matmul, or from
+    FRAG_DENSE_ROWS the weights dequantized once and torch.matmul)."""
     rows = x.shape[0]
     if rows == 1:
         return fragment_gemv(x, frags)
     if rows <= FRAG_ROWS_MAX:
         return fragment_rows(x, frags)
+    if FRAG_DENSE_ROWS is not None and rows >= FRAG_DENSE_ROWS:
+        return _fragment_input(x, frags) @ fragment_dequantize(frags, x.dtype).T
     return fragment_matmul(x, frags)
 
 
@@ -722,6 +733,35 @@ def fragment_matmul(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
             num_warps=4,
         )  # fmt: skip
     return y
+
+
+def fragment_dequantize(frags: Int4Fragments, dtype: torch.dtype) -> torch.Tensor:
+    """The weights [N, K] in `dtype` (bfloat16 or float16) from the fragments on their device,
+    one program a chunk of FRAG_MATMUL_TILES tiles: s (q - zero) in float32, rounded once, as
+    Int4Fragments.dequantize and the stored layout's dequantization round."""
+    n, k, tiles = frags.out_features, frags.in_features, FRAG_MATMUL_TILES
+    out = torch.empty(n, k, dtype=dtype, device=frags.words.device)
+    _int4_frag_dequantize[(triton.cdiv(frags.tiles, tiles), frags.chunks)](
+        frags.words, frags.params, out, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
+        NG=frags.groups, GC=frags.group_size // 64, TILES=tiles, F16=frags.dtype == torch.float16,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _int4_frag_dequantize(w_ptr, p_ptr, out_ptr, N: tl.constexpr, NT: tl.constexpr,
+                          KC: tl.constexpr, K: tl.constexpr, NG: tl.constexpr, GC: tl.constexpr,
+                          TILES: tl.constexpr, F16: tl.constexpr):  # fmt: skip
+    tile0 = tl.program_id(0) * TILES
+    c = tl.program_id(1)
+    rows_g, rows_h, cols = int4_frag_tile(w_ptr, p_ptr, 0, tile0, c, NT, KC, TILES, GC, NG, F16)
+    r = tl.arange(0, 8 * TILES)
+    rows = (tile0 + r // 8) * 16 + r % 8
+    at = out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    dtype = out_ptr.dtype.element_ty
+    ok = (cols < K)[None, :]
+    tl.store(at, rows_g.to(dtype), mask=(rows < N)[:, None] & ok)
+    tl.store(at + 8 * K, rows_h.to(dtype), mask=(rows + 8 < N)[:, None] & ok)
 
 
 def fragment_rows_bucket(rows: int) -> int:
