@@ -41,8 +41,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 GROUP = 128
 # (tiles a program, warps a tile, chunks a warp's iteration): down and o have 256 tiles only,
 # so their programs need more warps along K to fill the GPU than gate_up's 1,792
+# fragment_rows: (warps along N, warps along K, chunks, tiles a warp[, most rows a program])
 ROWS_SWEEP = [(1, 8, 2, 1), (1, 16, 1, 1), (1, 8, 1, 1), (1, 4, 1, 2), (1, 8, 1, 2),
-              (1, 4, 1, 4), (2, 4, 1, 2), (1, 2, 1, 4), (1, 4, 2, 2)]
+              (1, 4, 1, 4), (2, 4, 1, 2), (1, 4, 2, 2), (1, 4, 1, 4, 32), (1, 4, 1, 2, 32),
+              (1, 8, 1, 4, 16), (1, 4, 2, 4, 16)]
 SWEEP = [(1, 4, 2), (1, 4, 4), (1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 16, 1), (1, 16, 2),
          (2, 4, 2), (2, 2, 2), (4, 2, 2)]
 

@@ -664,15 +664,17 @@ def fragment_linear(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
 
 
 def fragment_rows(x: torch.Tensor, frags: Int4Fragments,
-                  tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+                  tiles: tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments for a few rows
     (decode batches, a verify step): the rows are the mma's B columns, eight a group and up to
-    FRAG_ROWS_MAX a program, so each chunk of weights is read and decoded once for all of them
-    (fragment_gemv reads the weights once a row)."""
+    FRAG_ROWS_MAX a program (or a fifth element of `tiles`: fewer rows a program, more programs
+    along M that meet the same weights in L2), so each chunk of weights is read and decoded
+    once for all of them (fragment_gemv reads the weights once a row)."""
     m, k = x.shape
     x = word_aligned(_fragment_input(x, frags))
-    warps, split, chunks, per_warp = tiles or fragment_rows_config(frags, m, x.device)
-    groups = min(triton.next_power_of_2(triton.cdiv(max(m, 1), 8)), FRAG_ROWS_MAX // 8)
+    warps, split, chunks, per_warp, *most = tiles or fragment_rows_config(frags, m, x.device)
+    most = most[0] if most else FRAG_ROWS_MAX
+    groups = min(triton.next_power_of_2(triton.cdiv(max(m, 1), 8)), most // 8)
     n = frags.out_features
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -770,7 +772,7 @@ def fragment_rows_bucket(rows: int) -> int:
 
 
 def fragment_rows_config(frags: Int4Fragments, rows: int,
-                         device: torch.device) -> tuple[int, int, int, int]:  # fmt: skip
+                         device: torch.device) -> tuple[int, ...]:  # fmt: skip
     """fragment_rows' tiles for this projection, rows bucket and GPU model: the sweep's
     (frag_configs.json, key fragment_key + the bucket), else FRAG_ROWS_TILES."""
     tuned = _device_frag_configs(device).get(f"{fragment_key(frags)},{fragment_rows_bucket(rows)}")
