@@ -48,6 +48,37 @@ def test_steps_really_overlap(overlapped):
     assert_idle(overlapped)
 
 
+def test_penalized_rows_overlap_and_count_the_token_in_flight(checkpoints, overlapped):
+    """A request with penalties no longer keeps the batch from overlapping its steps: the next
+    step is launched from the previous one's tokens on the device, and its sampler counts the
+    previous token once the forward is queued (read back inside the launch), so the tokens
+    equal the synchronous loop's, alone and beside unpenalized requests."""
+    engine = overlapped.engine
+    penalized = SamplingParams(seed=7, temperature=0.8, max_tokens=12, presence_penalty=0.8,
+                               frequency_penalty=0.6, repetition_penalty=1.3)  # fmt: skip
+    params = [penalized, greedy_params(max_tokens=12), SamplingParams(seed=2, **SAMPLED),
+              penalized]  # fmt: skip
+    launches, real = [], engine.runner.launch
+
+    def spy(plan, previous, read_back=None):
+        launches.append((previous is not None, read_back is not None))
+        return real(plan, previous, read_back)
+
+    engine.runner.launch = spy
+    try:
+        got = overlapped.generate(PROMPTS, params)
+        assert any(from_previous and reads for from_previous, reads in launches)
+        launches.clear()
+        alone = overlapped.generate(PROMPTS[:1], [penalized])
+        assert launches[1:] and all(from_previous for from_previous, _ in launches[1:-1])
+    finally:
+        engine.runner.launch = real
+    synchronous = checkpoints.llm("llama")
+    same_outputs(got, synchronous.generate(PROMPTS, params))
+    same_outputs(alone, synchronous.generate(PROMPTS[:1], [penalized]))
+    assert_idle(overlapped)
+
+
 @pytest.mark.parametrize(
     "params",
     [

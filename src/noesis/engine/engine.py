@@ -680,16 +680,16 @@ class Engine:
 
     def _can_overlap(self, previous: LaunchedStep) -> bool:
         """Whether the next step can be planned before `previous` is read back: not when one of
-        its sequences needs the sampled token on the host to go on (its grammar state, its
-        penalty counts, its next proposals) or the step verified proposals."""
+        its sequences needs the sampled token on the host to go on (its next proposals) or the
+        step verified proposals."""
         if previous.spec_width:
             return False
         spec = self.speculator
-        # A grammar's next mask needs the token too, but only the sampler waits for the mask:
-        # the runner reads `previous` back after queueing the forward (see _ReadBack).
-        return not any(seq.params.needs_penalties
-                       or (spec is not None and spec.wants(seq))
-                       for seq in previous.seqs if not seq.finished)
+        # A grammar's next mask and a penalized row's counts need the token too, but only the
+        # sampler waits for them: the runner reads `previous` back after queueing the forward
+        # (see _ReadBack).
+        return spec is None or not any(spec.wants(seq) for seq in previous.seqs
+                                       if not seq.finished)
 
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step back and turn it into request outputs."""
@@ -889,17 +889,19 @@ def _steer(launched: LaunchedStep, sampled: dict) -> None:
 
 class _ReadBack:
     """Reading the previous step back from inside the next step's launch, when the next step's
-    grammar masks need its tokens: the runner calls `hook` once the forward is queued, so the
-    device computes while the host waits, advances the matchers and fills the masks. `hook` is
-    None when no constrained row of `plan` waits on `previous` (the masks fill during the
-    forward, and `previous` is read back after the launch, as without a grammar)."""
+    grammar masks or penalty counts need its tokens: the runner calls `hook` once the forward
+    is queued, so the device computes while the host waits, advances the matchers and fills the
+    masks, and the sampler counts the tokens with the one just read. `hook` is None when no
+    constrained or penalized row of `plan` waits on `previous` (the masks fill during the
+    forward, and `previous` is read back after the launch, as without either)."""
 
     def __init__(self, engine: Engine, previous: LaunchedStep | None, plan: StepPlan) -> None:
         self.outputs: list[RequestOutput] | None = None  # set once `previous` was read back
         self.failed = False
         self._engine, self._previous = engine, previous
         waits = previous is not None and any(
-            item.seq.matcher is not None and item.seq.seq_id in previous.row_of
+            (item.seq.matcher is not None or item.seq.params.needs_penalties)
+            and item.seq.seq_id in previous.row_of
             for item in plan.scheduled
         )
         self.hook = self._read if waits else None

@@ -154,7 +154,8 @@ class ModelRunner:
         their proposals from `plan.proposals`.
 
         `read_back` (the caller's: read `previous` back, which advances the grammar matchers
-        its tokens feed) is called once the forward is queued; the masks are filled after it.
+        its tokens feed and adds them to the sequences that penalties count) is called once the
+        forward is queued; the masks are filled and the sampling tensors built after it.
         So the device runs this step's forward while the host waits for the previous step's
         tokens, and only the sampler waits for the masks. Without it the masks fill on a CPU
         thread while the forward is queued."""
