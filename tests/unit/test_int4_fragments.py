@@ -61,6 +61,19 @@ def test_the_layout_holds_every_code_scale_and_zero(dtype, rows, cols, group):
     assert not torch.equal(moved.dequantize(), frags.dequantize())
 
 
+def test_packing_in_blocks_of_rows_gives_the_same_layout(monkeypatch):
+    """Int4Fragments.pack works PACK_ROWS rows at a time (bounded temporaries at load): blocks
+    of 16 rows, the last one partial, give what one block gives."""
+    from noesis.quant import int4_fragments
+
+    qweight, scales, zeros, _ = _int4(56, 128, 64, torch.bfloat16, seed=4)
+    whole = Int4Fragments.pack(qweight, scales, zeros, 64)
+    monkeypatch.setattr(int4_fragments, "PACK_ROWS", 16)
+    blocks = Int4Fragments.pack(qweight, scales, zeros, 64)
+    assert torch.equal(blocks.words, whole.words) and torch.equal(blocks.params, whole.params)
+    assert blocks.words.shape[0] == 4
+
+
 def test_what_the_layout_cannot_hold_is_refused():
     qweight, scales, zeros, _ = _int4(16, 128, 32, torch.bfloat16)
     with pytest.raises(ValueError, match="multiples of 64"):

@@ -23,6 +23,9 @@ from noesis.quant.packing import as_int32, unpack
 
 TILE_ROWS, CHUNK = 16, 64
 BASE = {torch.bfloat16: 128, torch.float16: 1024}  # the 16-bit float whose low bits take a code
+# Rows packed at a time: the int64 temporaries of a block (about 40 bytes a weight) stay small
+# beside the weights being loaded (a multiple of TILE_ROWS).
+PACK_ROWS = 2048
 
 
 @dataclass
@@ -61,8 +64,11 @@ class Int4Fragments:
                 f"int4 fragments need K ({k}) and the group size ({group_size}) to be multiples "
                 f"of {CHUNK}, {groups} groups covering K"
             )
-        words = _words(unpack(qweight, 4), n, k)
-        params = _params(scales, qzeros, n)
+        blocks = [(_words(unpack(qweight[start : start + PACK_ROWS], 4), k),
+                   _params(scales[start : start + PACK_ROWS], qzeros[start : start + PACK_ROWS]))
+                  for start in range(0, n, PACK_ROWS)]  # fmt: skip
+        words = torch.cat([w for w, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
+        params = torch.cat([p for _, p in blocks]) if len(blocks) > 1 else blocks[0][1]
         return cls(words, params, n, k, group_size, scales.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -94,7 +100,8 @@ def _nibble(h: int, e: int) -> int:
     return 2 * (e // 2) + h + 4 * (e % 2)
 
 
-def _words(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _words(codes: torch.Tensor, k: int) -> torch.Tensor:
+    n = codes.shape[0]
     tiles, chunks = -(-n // TILE_ROWS), k // CHUNK
     codes = torch.nn.functional.pad(codes, (0, 0, 0, tiles * TILE_ROWS - n)).long()
     # codes[T, h, g, c, b, t, i, e] -> (T, c, g, t, b, i, h, e)
@@ -106,8 +113,8 @@ def _words(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return as_int32(word).reshape(tiles, chunks, 32, 4).contiguous()
 
 
-def _params(scales: torch.Tensor, qzeros: torch.Tensor, n: int) -> torch.Tensor:
-    dtype, groups = scales.dtype, scales.shape[1]
+def _params(scales: torch.Tensor, qzeros: torch.Tensor) -> torch.Tensor:
+    n, dtype, groups = scales.shape[0], scales.dtype, scales.shape[1]
     tiles = -(-n // TILE_ROWS)
     pad = (0, 0, 0, tiles * TILE_ROWS - n)
     scales = torch.nn.functional.pad(scales, pad)
