@@ -112,7 +112,7 @@ def main() -> None:
 
 def _rows_table(args, layers, dtype, gen, bandwidth) -> None:
     variants = {"stored layout": "stored", "fragment matmul": "matmul",
-                "fragments dequantized + matmul": "dense"}
+                "fragment matmul, K over 4": "matmul4", "fragments dequantized + matmul": "dense"}
     for tiles in [kernel.FRAG_ROWS_TILES] + (ROWS_SWEEP if args.tiles else []):
         variants[f"fragment rows {tiles}"] = tiles
     variants["bf16 cuBLAS"] = "bf16"
@@ -197,8 +197,8 @@ def _run(x, q, variant):
     per-shape configs), or ("rows", "stored" | "matmul" | fragment_rows' tiles)."""
     if variant is None or variant == ("rows", "stored"):
         return kernel.packed_matmul(x, q["qweight"], q["scales"], q["zeros"], None, 4, GROUP)
-    if variant == ("rows", "matmul"):
-        return kernel.fragment_matmul(x, q["frags"])
+    if variant in (("rows", "matmul"), ("rows", "matmul4")):
+        return kernel.fragment_matmul(x, q["frags"], 4 if variant[1] == "matmul4" else 1)
     if variant == ("rows", "dense"):
         return x @ kernel.fragment_dequantize(q["frags"], x.dtype).T
     if variant[0] == "rows":

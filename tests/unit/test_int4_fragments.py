@@ -152,19 +152,20 @@ def test_fragment_rows_put_each_row_of_x_in_its_own_mma_column(rows, tiles, most
 
 @pytest.mark.parametrize("rows, n, k, group", [(5, 40, 256, 128), (20, 48, 192, 64)])
 def test_fragment_matmul_equals_dequantize_then_matmul(rows, n, k, group):
-    """Many rows through tl.dot over decoded fragment tiles (float16: the interpreter's
-    bfloat16 tl.dot is wrong; a GPU runs both)."""
+    """Many rows through tl.dot over decoded fragment tiles, K in one program or split over
+    two or three (float16: the interpreter's bfloat16 tl.dot is wrong; a GPU runs both)."""
     dtypes = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
     for dtype in dtypes:
         qweight, scales, zeros, codes = _int4(n, k, group, dtype, seed=rows)
         frags = Int4Fragments.pack(qweight, scales, zeros, group)
         frags.words, frags.params = frags.words.to(DEVICE), frags.params.to(DEVICE)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)).to(dtype)
-        y = kernel.fragment_matmul(x.to(DEVICE), frags)
-        assert y.shape == (rows, n) and y.dtype == dtype
         weight = frags.dequantize(dtype).double().cpu()  # rounded as the kernel rounds it
         ref = x.double() @ weight.T
-        assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+        for split in (1, 2, 3):  # K over programs: 4 chunks in 1, 2, 2; 3 chunks in 1, 1, 3
+            y = kernel.fragment_matmul(x.to(DEVICE), frags, split)
+            assert y.shape == (rows, n) and y.dtype == dtype
+            assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
 
 
 @pytest.mark.parametrize("n, k, group", [(40, 256, 128), (48, 192, 64)])

@@ -276,14 +276,16 @@ def _rows_chunk(words, params, xw, x_rows, ok, c, lane, sums, K: tl.constexpr,
 def frag_matmul(x_rows, x_ok, w_ptr, s_ptr, expert, tile0, NT: tl.constexpr, KC: tl.constexpr,
                 K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
                 PRECISION: tl.constexpr, FORMAT: tl.constexpr, GC: tl.constexpr,
-                NG: tl.constexpr):  # fmt: skip
+                NG: tl.constexpr, c_first, COUNT: tl.constexpr):  # fmt: skip
     """x[BLOCK_M rows at x_rows] @ fragment tiles tile0 .. tile0 + TILES - 1 -> their rows g and
     their rows g + 8, [BLOCK_M, 8 TILES] float32 each: a chunk of 64 columns an iteration,
     decoded to weights in x's dtype for two tl.dots (many rows; frag_gemv is the one-row
-    path)."""
+    path). Chunks c_first .. c_first + COUNT - 1 are summed (0 and KC: all of K; or a
+    split's share)."""
     low = tl.zeros((BLOCK_M, 8 * TILES), tl.float32)
     high = tl.zeros((BLOCK_M, 8 * TILES), tl.float32)
-    for c in range(0, KC):
+    for i in range(0, COUNT):
+        c = c_first + i
         if FORMAT == 0:
             w_low, w_high, cols = frag_tile(w_ptr, s_ptr, expert, tile0, c, NT, KC, TILES)
         else:

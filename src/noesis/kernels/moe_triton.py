@@ -480,7 +480,7 @@ def _frag_sorted_gate_up(
     tile0 = tl.program_id(1) * TILES
     x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * H
     gate, up = frag_matmul(x_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, H, TILES, BLOCK_M,
-                           PRECISION, 0, 1, 1)  # fmt: skip  (FORMAT 0: MXFP4)
+                           PRECISION, 0, 1, 1, 0, KC)  # fmt: skip  (FORMAT 0: MXFP4)
     cols = tile0 * 8 + tl.arange(0, 8 * TILES)
     col_ok = cols < I
     if HAS_BIAS:
@@ -509,7 +509,7 @@ def _frag_sorted_down(
     tile0 = tl.program_id(1) * TILES
     act_rows = act_ptr + pairs.to(tl.int64) * I
     low, high = frag_matmul(act_rows, pair_ok, w_ptr, s_ptr, expert, tile0, NT, KC, I, TILES,
-                            BLOCK_M, PRECISION, 0, 1, 1)  # fmt: skip  (FORMAT 0: MXFP4)
+                            BLOCK_M, PRECISION, 0, 1, 1, 0, KC)  # fmt: skip  (FORMAT 0: MXFP4)
     r = tl.arange(0, 8 * TILES)
     rows = (tile0 + r // 8) * 16 + r % 8
     weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]

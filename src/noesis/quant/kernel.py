@@ -59,8 +59,10 @@ CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # fragment_rows, keyed by the rows bucket too).
 FRAG_TILES = (1, 4, 2)
 FRAG_CONFIG_FILE = Path(__file__).with_name("frag_configs.json")
-# The fragment matmul (more rows): tiles of 16 rows a program (its N block is 16 x this).
+# The fragment matmul (more rows): tiles of 16 rows a program (its N block is 16 x this), and
+# programs along K (float32 partials, summed in a fixed order; 1: none, not yet timed beyond).
 FRAG_MATMUL_TILES = 4
+FRAG_MATMUL_SPLIT = 1
 # fragment_rows: (warps along N, warps along K, chunks a warp's iteration, tiles a warp) and
 # the most rows of x a program takes (8 a group of the mma's B columns; more rows, more programs)
 FRAG_ROWS_TILES = (1, 4, 2, 1)
@@ -718,23 +720,30 @@ def _int4_frag_rows(
                          mask=(row < M) & (col < N))  # fmt: skip
 
 
-def fragment_matmul(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
+def fragment_matmul(x: torch.Tensor, frags: Int4Fragments,
+                    split: int | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype over int4 fragments for many rows:
     each chunk of 64 columns of FRAG_MATMUL_TILES tiles decoded to weights in x's dtype
-    (rounded as the stored layout's dequantization rounds) for tl.dot."""
+    (rounded as the stored layout's dequantization rounds) for tl.dot; K over `split`
+    (FRAG_MATMUL_SPLIT; the largest count up to it that divides K's chunks) programs, their
+    float32 partials summed in a fixed order."""
     m, k = x.shape
     x = _fragment_input(x, frags)
     n, tiles = frags.out_features, FRAG_MATMUL_TILES
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    chunks = frags.chunks
+    splits = max(s for s in range(1, (split or FRAG_MATMUL_SPLIT) + 1) if chunks % s == 0)
+    per = chunks // splits  # every program the same number of chunks
+    y = torch.empty(splits, m, n, dtype=x.dtype if splits == 1 else torch.float32,
+                    device=x.device)  # fmt: skip
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     if m:
-        _int4_frag_matmul[(triton.cdiv(m, block_m), triton.cdiv(frags.tiles, tiles))](
+        _int4_frag_matmul[(triton.cdiv(m, block_m), triton.cdiv(frags.tiles, tiles), splits)](
             x, frags.words, frags.params, y, m, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
-            NG=frags.groups, GC=frags.group_size // 64, TILES=tiles, BLOCK_M=block_m,
+            NG=frags.groups, GC=frags.group_size // 64, TILES=tiles, BLOCK_M=block_m, PER=per,
             PRECISION="tf32", FORMAT=INT4_F16 if x.dtype == torch.float16 else INT4_BF16,
             num_warps=4,
         )  # fmt: skip
-    return y
+    return y[0] if splits == 1 else y.sum(0).to(x.dtype)
 
 
 def fragment_dequantize(frags: Int4Fragments, dtype: torch.dtype) -> torch.Tensor:
@@ -809,19 +818,21 @@ def _fragment_input(x: torch.Tensor, frags: Int4Fragments) -> torch.Tensor:
 def _int4_frag_matmul(
     x_ptr, w_ptr, p_ptr, out_ptr, M, N: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
     K: tl.constexpr, NG: tl.constexpr, GC: tl.constexpr, TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, PER: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr,
 ):  # fmt: skip
-    """out[rows, cols] = x[rows] @ W[cols].T for BLOCK_M rows and TILES tiles (16 TILES
-    columns: tile T's rows g and g + 8 are columns 16T + g and 16T + g + 8)."""
+    """out[split, rows, cols] = x[rows] @ W[cols].T over split's PER chunks of K, for BLOCK_M
+    rows and TILES tiles (16 TILES columns: tile T's rows g and g + 8 are columns 16T + g and
+    16T + g + 8)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     tile0 = tl.program_id(1) * TILES
+    split = tl.program_id(2)
     x_rows = x_ptr + rows.to(tl.int64) * K
     low, high = frag_matmul(x_rows, row_ok, w_ptr, p_ptr, 0, tile0, NT, KC, K, TILES, BLOCK_M,
-                            PRECISION, FORMAT, GC, NG)  # fmt: skip
+                            PRECISION, FORMAT, GC, NG, split * PER, PER)  # fmt: skip
     r = tl.arange(0, 8 * TILES)
     cols = (tile0 + r // 8) * 16 + r % 8
-    out = out_ptr + rows.to(tl.int64)[:, None] * N
+    out = out_ptr + (split.to(tl.int64) * M + rows.to(tl.int64))[:, None] * N
     dtype = out_ptr.dtype.element_ty
     tl.store(out + cols[None, :], low.to(dtype), mask=row_ok[:, None] & (cols < N)[None, :])
     tl.store(out + cols[None, :] + 8, high.to(dtype),
