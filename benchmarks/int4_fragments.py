@@ -113,7 +113,7 @@ def main() -> None:
 def _rows_table(args, layers, dtype, gen, bandwidth) -> None:
     variants = {"stored layout": "stored", "fragment matmul": "matmul",
                 "fragment matmul, K over 4": "matmul4", "fragments dequantized + matmul": "dense"}
-    for tiles in [kernel.FRAG_ROWS_TILES] + (ROWS_SWEEP if args.tiles else []):
+    for tiles in sorted(set(kernel.FRAG_ROWS_TILES.values())) + (ROWS_SWEEP if args.tiles else []):
         variants[f"fragment rows {tiles}"] = tiles
     variants["bf16 cuBLAS"] = "bf16"
     dense = {name: [torch.randn(n, k, device="cuda", generator=gen).to(dtype) * 0.02

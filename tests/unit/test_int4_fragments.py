@@ -252,7 +252,7 @@ def test_fragment_config_reads_the_sweeps_file_for_this_gpu(tmp_path, monkeypatc
         cpu = torch.device("cpu")
         assert kernel.fragment_config(frags, cpu) == (2, 8, 1)
         assert kernel.fragment_rows_config(frags, 9, cpu) == (1, 2, 1, 2)  # rows 9-16
-        assert kernel.fragment_rows_config(frags, 8, cpu) == kernel.FRAG_ROWS_TILES
+        assert kernel.fragment_rows_config(frags, 30, cpu) == kernel.FRAG_ROWS_TILES[32]
         other = Int4Fragments.pack(*_int4(16, 128, 128, torch.bfloat16)[:3], 128)
         assert kernel.fragment_config(other, cpu) == kernel.FRAG_TILES
     finally:

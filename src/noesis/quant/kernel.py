@@ -63,9 +63,11 @@ FRAG_CONFIG_FILE = Path(__file__).with_name("frag_configs.json")
 # programs along K (float32 partials, summed in a fixed order; 1: none, not yet timed beyond).
 FRAG_MATMUL_TILES = 4
 FRAG_MATMUL_SPLIT = 1
-# fragment_rows: (warps along N, warps along K, chunks a warp's iteration, tiles a warp) and
-# the most rows of x a program takes (8 a group of the mma's B columns; more rows, more programs)
-FRAG_ROWS_TILES = (1, 4, 2, 1)
+# fragment_rows: (warps along N, warps along K, chunks a warp's iteration, tiles a warp) per rows
+# bucket (fragment_rows_bucket), the one tiling fastest over the 8B projections on the H200 at
+# 8, 16, 32 and 64 rows (benchmarks/RESULTS.md, nineteenth session; frag_configs.json refines it
+# per shape), and the most rows of x a program takes (8 a group of the mma's B columns).
+FRAG_ROWS_TILES = {8: (1, 4, 2, 2), 16: (1, 4, 2, 1), 32: (1, 4, 2, 2), 64: (1, 4, 1, 2)}
 FRAG_ROWS_MAX = 64
 # Prefill over fragments: from this many rows, a projection is dequantized once into x's dtype
 # and multiplied by torch.matmul (cuBLAS on CUDA; about 4.5 bytes of traffic a weight) instead
@@ -783,9 +785,10 @@ def fragment_rows_bucket(rows: int) -> int:
 def fragment_rows_config(frags: Int4Fragments, rows: int,
                          device: torch.device) -> tuple[int, ...]:  # fmt: skip
     """fragment_rows' tiles for this projection, rows bucket and GPU model: the sweep's
-    (frag_configs.json, key fragment_key + the bucket), else FRAG_ROWS_TILES."""
-    tuned = _device_frag_configs(device).get(f"{fragment_key(frags)},{fragment_rows_bucket(rows)}")
-    return FRAG_ROWS_TILES if tuned is None else tuple(tuned)
+    (frag_configs.json, key fragment_key + the bucket), else FRAG_ROWS_TILES's."""
+    bucket = fragment_rows_bucket(rows)
+    tuned = _device_frag_configs(device).get(f"{fragment_key(frags)},{bucket}")
+    return FRAG_ROWS_TILES[bucket] if tuned is None else tuple(tuned)
 
 
 def fragment_key(frags: Int4Fragments) -> str:
