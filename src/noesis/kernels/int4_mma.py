@@ -1,5 +1,7 @@
 """int4 group-quantized weights as tensor-core fragments: one chunk's arithmetic for the decode
-GEMV (kernels/frag_gemv.py runs the loop; quant/int4_fragments.py packs the layout).
+GEMV (INT4_*_CHUNK_ASM: decode and mma in one) and for several rows of x (INT4_*_DECODE_ASM
+once, then INT4_*_ROWS_MMA_ASM per group of eight rows); kernels/frag_gemv.py runs the loops,
+quant/int4_fragments.py packs the layout.
 
 A word holds the eight 4-bit codes a lane contributes to one `mma.sync.m16n8k16` A fragment
 (rows g and g + 8, four columns each). Code q placed in the low four bits of a bfloat16 whose
@@ -75,7 +77,7 @@ INT4_F16_CHUNK_ASM = tl.constexpr(
 def _decode_asm(ty: str, base: int, one: int) -> str:
     """A chunk's four words ($16-$19) and the group's -(base + zero) pair ($20) -> the sixteen
     A registers of its four mma ($0-$15, word j's in 4j .. 4j + 3): decoded once, then met by
-    several groups of x rows (INT4_ROWS_MMA_ASM)."""
+    several groups of x rows (INT4_*_ROWS_MMA_ASM)."""
     body = "".join(re.sub(r"\ba([0-3])\b", f"a{j}_\\1", _DECODE.format(w=f"${16 + j}", ty=ty))
                    for j in range(4))  # fmt: skip
     regs = ", ".join(f"a{j}_{i}" for j in range(4) for i in range(4))
