@@ -167,20 +167,20 @@ def test_fragment_matmul_equals_dequantize_then_matmul(rows, n, k, group):
 
 @pytest.mark.parametrize("n, k, group", [(40, 256, 128), (48, 192, 64)])
 def test_fragment_dequantize_and_the_dense_prefill(n, k, group, monkeypatch):
-    """The fragments dequantized on their device equal Int4Fragments.dequantize (float16: the
-    interpreter's bfloat16 conversion truncates), and from FRAG_DENSE_ROWS rows fragment_linear
-    multiplies x by them (a partial last tile included)."""
-    qweight, scales, zeros, codes = _int4(n, k, group, torch.float16, seed=n)
-    frags = Int4Fragments.pack(qweight, scales, zeros, group)
-    want = frags.dequantize(torch.float16)
-    frags.words, frags.params = frags.words.to(DEVICE), frags.params.to(DEVICE)
-    weight = kernel.fragment_dequantize(frags, torch.float16)
-    assert torch.equal(weight.cpu(), want)
+    """The fragments dequantized on their device equal Int4Fragments.dequantize (float16 on the
+    CPU: the interpreter's bfloat16 conversion truncates; a GPU runs both), and from
+    FRAG_DENSE_ROWS rows fragment_linear multiplies x by them (a partial last tile included)."""
     monkeypatch.setattr(kernel, "FRAG_DENSE_ROWS", kernel.FRAG_ROWS_MAX + 1)
-    x = torch.randn(kernel.FRAG_ROWS_MAX + 1, k, generator=torch.Generator().manual_seed(3))
-    y = kernel.fragment_linear(x.half().to(DEVICE), frags)
-    ref = x.half().double() @ want.double().T
-    assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+    for dtype in [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []):
+        qweight, scales, zeros, codes = _int4(n, k, group, dtype, seed=n)
+        frags = Int4Fragments.pack(qweight, scales, zeros, group)
+        want = frags.dequantize(dtype)
+        frags.words, frags.params = frags.words.to(DEVICE), frags.params.to(DEVICE)
+        assert torch.equal(kernel.fragment_dequantize(frags, dtype).cpu(), want)
+        x = torch.randn(kernel.FRAG_ROWS_MAX + 1, k, generator=torch.Generator().manual_seed(3))
+        y = kernel.fragment_linear(x.to(dtype).to(DEVICE), frags)
+        ref = x.to(dtype).double() @ want.double().T
+        assert torch.allclose(y.cpu().double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
 
 
 def _packed_linear(k, n, bits, group, dtype=torch.bfloat16):
