@@ -68,18 +68,14 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # [T, K]
         frags = self.fragments
-        if frags is not None:
+        groups = self.g_idx[0] if self.act_order else None
+        if frags is not None or ops.use_triton(flat):
             from noesis.quant import kernel
 
-            y = kernel.fragment_linear(flat, frags)
-        elif ops.use_triton(flat):
-            from noesis.quant import kernel
-
-            groups = self.g_idx[0] if self.act_order else None
-            y = kernel.packed_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
-                                     self.bits, self.group_size)
+            y = (kernel.fragment_linear(flat, frags) if frags is not None
+                 else kernel.packed_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
+                                           self.bits, self.group_size))  # fmt: skip
         else:
-            groups = self.g_idx[0] if self.act_order else None
             y = dequantized_matmul(flat, self.qweight, self.scales, self.qzeros, groups,
                                    self.bits, self.group_size)
         y = y.view(*x.shape[:-1], self.out_features)  # [..., N]
