@@ -13,9 +13,13 @@ read per step; transformers eager (and, with --hf-compile, static cache + torch.
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import gc
+import importlib
 import importlib.metadata
 import json
+import re
 import statistics
 import sys
 import time
@@ -252,6 +256,33 @@ def guarded(fn, *args, **kwargs) -> dict:
     except Exception as exc:  # noqa: BLE001 - any failure of the reference is data
         print(f"{fn.__name__}{args}: {type(exc).__name__}: {exc}"[:500], flush=True)
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """'LABEL:module.ATTR=value,...' (a --variant) -> (LABEL, {"module.ATTR": "value"})."""
+    label, _, settings = text.partition(":")
+    # split at each comma that starts the next "module.ATTR=" (values may hold commas)
+    pairs = [item.split("=", 1) for item in re.split(r",(?=[\w.]+=)", settings) if item]
+    if not label or not pairs or any(len(pair) != 2 or "." not in pair[0] for pair in pairs):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: want LABEL:module.ATTR=value,...")
+    return label, dict(pairs)
+
+
+@contextlib.contextmanager
+def attributes_set(settings: dict[str, str]):
+    """Module attributes set for the duration (values are Python literals), then restored: the
+    same call's A/B of a switch such as noesis.kernels.ops.PREFETCH_O."""
+    saved = []
+    try:
+        for target, value in settings.items():
+            module_name, _, attr = target.rpartition(".")
+            module = importlib.import_module(module_name)
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, ast.literal_eval(value))
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
 
 
 def release_memory() -> None:

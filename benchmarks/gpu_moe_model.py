@@ -33,9 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_decode import (  # noqa: E402
+    attributes_set,
     copy_bandwidth,
     guarded,
     library_versions,
+    parse_variant,
     prompt_ids,
     release_memory,
     steady_decode,
@@ -67,6 +69,12 @@ def main() -> None:
     parser.add_argument("--old-moe", type=Path,
                         help="also time noesis at batch 1 with the experts kernels of this "
                         "moe_triton.py (e.g. `git show REV:src/noesis/kernels/moe_triton.py`)")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
+                        metavar="LABEL:module.ATTR=value,...",
+                        help="also time noesis with these module attributes set (repeatable; "
+                        "e.g. 'prefetch:noesis.kernels.ops.PREFETCH_O=True')")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the default and the variants this many times, interleaved")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench-moe"))
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
@@ -81,6 +89,17 @@ def main() -> None:
               "layers": config.num_hidden_layers}  # fmt: skip
     report["noesis"] = guarded(bench_noesis, path, bandwidth, batches)
     release_memory()
+    report["variants"] = []
+    for run in range(args.repeat):
+        for label, settings in args.variant:
+            with attributes_set(settings):
+                result = guarded(bench_noesis, path, bandwidth, batches, label=label)
+            report["variants"].append(dict(result, label=label, settings=settings))
+            release_memory()
+        if run + 1 < args.repeat:
+            result = guarded(bench_noesis, path, bandwidth, batches, label="default, again")
+            report["variants"].append(dict(result, label="default, again"))
+            release_memory()
     if args.unfused:
         report["noesis_unfused"] = guarded(bench_noesis, path, bandwidth, [1],
                                            one_row_fusion=False)  # fmt: skip
@@ -163,7 +182,8 @@ def _draw(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen) -> torch.T
     return random_tensor(name, shape, dtype, gen)
 
 
-def bench_noesis(path: Path, bandwidth: float, batches: list[int], **options) -> dict:
+def bench_noesis(path: Path, bandwidth: float, batches: list[int], label: str = "",
+                 **options) -> dict:
     from noesis import LLM
 
     t0 = time.perf_counter()
@@ -196,8 +216,8 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int], **options) ->
                                     "distinct_experts": distinct, "roofline_tok_s": roofline,
                                     "share": tok_s / roofline,
                                     "graph_steps": engine.runner.step_counts["graph"]}  # fmt: skip
-        print(f"noesis {options or ''} batch {batch}:", json.dumps(result["batches"][batch]),
-              flush=True)  # fmt: skip
+        print(f"noesis {label or options or ''} batch {batch}:",
+              json.dumps(result["batches"][batch]), flush=True)  # fmt: skip
     return result
 
 
@@ -244,6 +264,8 @@ def print_table(report: dict) -> None:
     unfused = report.get("noesis_unfused", {}).get("batches", {})
     rows = [(str(b), r) for b, r in ours.items()]
     rows += [(f"{b}, one-row fusion off", r) for b, r in unfused.items()]
+    for variant in report.get("variants", []):
+        rows += [(f"{b}, {variant['label']}", r) for b, r in variant.get("batches", {}).items()]
     old = report.get("noesis_old_moe", {}).get("batches", {})
     rows += [(f"{b}, experts of {Path(report['old_moe']).name}", r) for b, r in old.items()]
     for label, row in rows:
