@@ -56,9 +56,11 @@ SHAPES = {
         rope_theta=1e6)),
 }  # fmt: skip
 STEPS = 64  # timed decode steps per run
+PROMPT = 128  # prompt tokens (--prompt)
 
 
 def main() -> None:
+    global PROMPT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--layers", type=int, help="fewer layers than the real model")
@@ -75,10 +77,14 @@ def main() -> None:
                         "e.g. 'prefetch:noesis.kernels.ops.PREFETCH_O=True')")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the default and the variants this many times, interleaved")
+    parser.add_argument("--prompt", type=int, default=128,
+                        help="prompt tokens before the timed decode (noesis only; long "
+                        "contexts time the attention, sliding windows included)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench-moe"))
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    PROMPT = args.prompt
     bandwidth = copy_bandwidth()
     path = args.workdir / args.shape
     t0 = time.perf_counter()
@@ -187,7 +193,8 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int], label: str = 
     from noesis import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=2048,
+    llm = LLM(str(path), device="cuda", dtype="bfloat16",
+              max_model_len=max(2048, PROMPT + STEPS + 64),
               max_num_seqs=max(batches), progress=False, **options)  # fmt: skip
     engine = llm.engine
     ready = time.perf_counter() - t0
@@ -205,7 +212,7 @@ def bench_noesis(path: Path, bandwidth: float, batches: list[int], label: str = 
     result = {"ready_s": ready, "dense_bytes": dense, "expert_bytes_all_layers": expert,
               "batches": {}}  # fmt: skip
     for batch in batches:
-        prompts = [prompt_ids(128, 100 + i) for i in range(batch)]
+        prompts = [prompt_ids(PROMPT, 100 + i) for i in range(batch)]
         seconds, steps, mean_ctx = steady_decode(engine, prompts, STEPS)
         k, e = moe.top_k, moe.num_experts
         distinct = k if batch == 1 else e * (1 - (1 - k / e) ** batch)

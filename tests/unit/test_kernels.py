@@ -53,6 +53,9 @@ def paged_setup(batch, heads, kv_heads, head_dim, page_size, ctx_lens, seed=0):
         (8, 1, 32, 16, [520, 3], None),  # MQA, several splits
         (4, 4, 24, 8, [33, 64], None),  # MHA, head_dim not a power of two
         (6, 2, 16, 4, [40, 300], 17),  # sliding window
+        # a window over two splits (200..299 of 64-token splits 3 and 4), and one longer than
+        # its context: the splits before the window are skipped, not masked
+        (6, 2, 16, 4, [300, 10], 100),
         # batch > 8: 256-token splits, a five-split context among short ones (each program
         # costs the interpreter milliseconds: nine sequences are enough to pass batch 8)
         (2, 1, 16, 4, [3 + 7 * i for i in range(8)] + [1100], None),
@@ -140,10 +143,11 @@ def test_the_merge_kernel_weighs_every_chunk_of_splits_by_its_log_sum_exp(sinks)
     sink = torch.randn(heads, generator=gen)
     out = torch.empty(1, heads, dim)
     paged_decode._paged_decode_reduce[(1, heads)](
-        part_out, part_lse, lens, out, sink if sinks else part_lse, splits,
+        part_out, part_lse, lens, out, sink if sinks else part_lse, splits, 0,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=dim, DIM_PAD=dim, CHUNK=32, PART=part, PDL=False, HAS_SINKS=sinks,
+        HAS_WINDOW=False,
     )  # fmt: skip
     logits = torch.cat([part_lse[0], sink[:, None]], 1) if sinks else part_lse[0]
     weights = torch.softmax(logits, dim=1)[:, :splits]  # a sink's share carries no value

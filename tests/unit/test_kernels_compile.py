@@ -118,6 +118,12 @@ def launches() -> dict[str, tuple]:
             0.1,
             512,
         ),
+        "paged decode, batch 1, sliding window and sinks": lambda: (
+            paged_decode.paged_decode_attention(
+                torch.zeros(1, heads, head_dim, **bf16), kv[0], kv[1],
+                torch.zeros(1, 32, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0.1,
+                512, 128, sinks=torch.zeros(heads))
+        ),
         "paged decode, batch 64 (fused merge)": lambda: paged_decode.paged_decode_attention(
             torch.zeros(64, heads, head_dim, **bf16),
             kv[0],
@@ -379,7 +385,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(reports):
     helpers = {  # called inside kernels, compiled with them
         "_mix32", "_x_tile", "quantize_e4m3", "_program_rows", "_rstd", "_row_epilogue",
         "_packed_tile", "_word_dots", "_zero_point", "_pair_dots", "_pairs_of_floats",
-        "_pairs_of_words", "_x_operand", "_dots",
+        "_pairs_of_words", "_x_operand", "_dots", "_first_split",
     }
     assert {report["kernel"] for report in reports.values()} == kernels - helpers  # all of them
     for name, report in reports.items():

@@ -68,7 +68,8 @@ def _paged_decode_partial(
     kv_head = tl.program_id(1)
     ctx_len = tl.load(lens_ptr + b)  # step inputs, copied in before the step's first kernel
     num_splits = tl.cdiv(ctx_len, PART)
-    if tl.program_id(2) >= num_splits:
+    first_split = _first_split(ctx_len, window, PART, HAS_WINDOW)
+    if tl.program_id(2) >= num_splits - first_split:
         return
     if PDL:
         gdc_wait()  # q and this token's k/v come from the kernel before
@@ -85,15 +86,15 @@ def _paged_decode_partial(
     if FP8:  # keys and values stored divided by a per-head scale: k's joins the score scale
         scale = scale * tl.load(kv_scales_ptr + kv_head)
     # The grid's third axis is capped (paged_decode_attention): this program takes splits
-    # program_id(2), + num_programs(2), ... of the context, carrying one online softmax
-    # through them, and writes one partial (a while loop: the interpreter's range takes no
-    # tensors)
+    # first_split + program_id(2), + num_programs(2), ... of the context, carrying one online
+    # softmax through them, and writes one partial (a while loop: the interpreter's range
+    # takes no tensors). A sliding window's splits start at the first it reaches.
     part = tl.program_id(2)
-    num_parts = tl.minimum(tl.num_programs(2), num_splits)
+    num_parts = tl.minimum(tl.num_programs(2), num_splits - first_split)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    split = part
+    split = first_split + part
     while split < num_splits:
         start = split * PART
         end = tl.minimum(start + PART, ctx_len)
@@ -174,24 +175,35 @@ def _paged_decode_partial(
                      mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["max_parts", "stride_ob", "stride_lb"])
+@triton.jit
+def _first_split(ctx_len, window, PART: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The first split a sequence's query reaches: 0, or under a sliding window the one
+    holding token ctx_len - window (the splits before it would be read only to be masked)."""
+    first = ctx_len * 0  # (ctx_len's integer type on both branches)
+    if HAS_WINDOW:
+        first = tl.maximum(ctx_len - window, 0) // PART
+    return first
+
+
+@triton.jit(do_not_specialize=["max_parts", "window", "stride_ob", "stride_lb"])
 def _paged_decode_reduce(
-    part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, sinks_ptr, max_parts,
+    part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, sinks_ptr, max_parts, window,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    PART: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PART: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """Merges one (sequence, head)'s partials (one per partial-kernel program its context
-    reaches, at most `max_parts`), CHUNK at a time with a running max: the work follows the
-    context, not max_model_len (a tile of every possible split spilled registers at a model's
-    full context: 4-8 KB a thread at 40k-128k tokens)."""
+    """Merges one (sequence, head)'s partials (one per partial-kernel program its context,
+    or its sliding window, reaches; at most `max_parts`), CHUNK at a time with a running max:
+    the work follows the context, not max_model_len (a tile of every possible split spilled
+    registers at a model's full context: 4-8 KB a thread at 40k-128k tokens)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     ctx_len = tl.load(lens_ptr + b)
-    num_parts = tl.minimum(tl.cdiv(ctx_len, PART), max_parts)
+    num_parts = tl.minimum(tl.cdiv(ctx_len, PART) - _first_split(ctx_len, window, PART,
+                                                                 HAS_WINDOW), max_parts)
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     m_run = tl.full([], float("-inf"), tl.float32)
@@ -251,7 +263,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns [B, H, d].
     The context is split for parallelism, a program per split up to a cap (`split_programs`),
-    past which each program carries its online softmax over every n-th split; the programs'
+    past which each program carries its online softmax over every n-th split (under a sliding
+    window only the splits the window reaches, so its cost follows the window, not the
+    context); the programs'
     partials merge in a second kernel, or, for larger batches, in the same launch (the last
     program of each (sequence, KV head) to finish merges them); a sink joins the merge. An
     fp8 cache (`kv_scales`) is loaded as stored and scaled in the kernel. `tuning` overrides
@@ -295,10 +309,11 @@ def paged_decode_attention(
     if fused:
         return out
     _paged_decode_reduce[(batch, num_heads)](
-        part_out, part_lse, ctx_lens, out, sinks_arg, parts,
+        part_out, part_lse, ctx_lens, out, sinks_arg, parts, window or 0,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, CHUNK=min(32, triton.next_power_of_2(parts)),
-        PART=partition, HAS_SINKS=sinks is not None, num_warps=4, **pdl.pdl_launch(q),
+        PART=partition, HAS_SINKS=sinks is not None, HAS_WINDOW=window is not None,
+        num_warps=4, **pdl.pdl_launch(q),
     )
     return out
