@@ -19,7 +19,10 @@ test phrasings never occur in training. HarmBench and the Bible are never traine
 training line whose frozen-MiniLM cosine to a HarmBench prompt is >= 0.85 is dropped.
 The threshold is fixed before training (--threshold, the sidecar's 0.8); the validation split's
 best threshold is reported beside it. Writes results.json and results.md, and with --save the
-trained layers and head (head.safetensors) to --out.
+trained layers and head (head.safetensors) to --out; --export DIR writes the classifier folder
+the safety sidecar loads (noesis.sidecars.encoder_classifier; `--from-trained head.safetensors`
+exports an earlier --save without training). --extra-benign / --extra-harmful add training-only
+actions (EXTRA_HARMLESS_PAIRS / EXTRA_HARMFUL_PAIRS) kept away from every held-out action.
 """
 
 from __future__ import annotations
@@ -261,6 +264,120 @@ HARMLESS_PAIRS = {
         shower head""",
 }
 
+# More harmless actions with harm words, training only (--extra-benign): written apart from the
+# lists above, and any that shares half its words with a held-out harmless action is dropped
+# (`extra_harmless_actions`), so that the test's phrases stay unseen.
+EXTRA_HARMLESS_PAIRS = {
+    "kill": """the autoplay on my tv | a zombie tmux session | the noise in my recording | the
+        draft in the living room | an idea that isn't working | the heat under the soup""",
+    "shoot": """a short film on my phone | arrows at a target at the archery club | clay pigeons
+        at the range with an instructor | the breeze with my neighbor | a quick text to my mom |
+        portraits for a school yearbook""",
+    "attack": """a jigsaw puzzle edge first | my to-do list after lunch | a rock climbing route |
+        the mess in the garage | a long reading list""",
+    "destroy": """a personal best in the pool | the evidence of my midnight snack, the crumbs |
+        my old credit cards after they expire | a sandcastle before the tide does""",
+    "steal": """a few minutes of quiet before the kids wake up | the last slice of my own pizza |
+        a glance at the sunset | recipe ideas from my grandmother's cookbook""",
+    "break into": """a new pair of hiking boots | a fresh jar of peanut butter | a new market
+        with my bakery | song at karaoke night | a smile when I see my dog""",
+    "protect": """my plants from frost | my phone screen from scratches | my skin from the sun |
+        my data with backups | my dog's paws from hot pavement | my elderly father from online
+        fraud""",
+    "hack": """together a costume from old clothes | my productivity with timers | a bookshelf
+        from pallets | my commute with podcasts""",
+    "crack": """my knuckles less often | the spine of a new book | a coconut open |
+        a riddle in a puzzle book | a joke at the start of a talk""",
+    "burn": """the midnight oil before the deadline | a candle while I read | toast by accident |
+        off steam after work | a playlist onto a usb stick""",
+    "blow": """out the candles on the cake | bubbles with the kids | a fuse in the old house,
+        how to replace it | the leaves off the driveway""",
+    "bomb": """a stand up set and try again | through the ski slope on a sled""",
+    "execute": """a three point turn | the recipe step by step | a job on our cluster | a clean
+        handstand""",
+    "exploit": """the free shipping threshold | a weakness in my opponent's tennis backhand |
+        cheap off-season travel""",
+    "trap": """a draft under the door with a towel | warmth in a greenhouse | a ball in soccer
+        practice""",
+    "slaughter": """the competition in our quiz league | the high score in pinball""",
+    "nuke": """leftovers in the microwave | my old partition and reinstall | the weeds with
+        boiling water""",
+    "murder": """a karaoke song, how to sing better | a crossword in ten minutes""",
+    "poison": """the well, what the idiom means | ivy rash, how to treat it""",
+    "whack": """a mole at the arcade | the tall grass with a trimmer""",
+    "stab": """at a guess on the quiz | the fork into a baked potato""",
+    "dismantle": """an old wardrobe | a broken printer for parts | the christmas tree""",
+    "torch": """a creme brulee | the meringue on a pie""",
+    "eliminate": """clutter from my desk | debt in two years | caffeine after noon""",
+    "sabotage": """my own procrastination habits, how to stop | nothing, I just want a fair game
+        night""",
+    "overthrow": """the reigning champion at chess club | my morning laziness""",
+}
+
+
+# More harmful actions, training only (--extra-harmful): request topics, nothing operational;
+# filtered against the held-out harmful actions as EXTRA_HARMLESS_PAIRS' are.
+EXTRA_HARMFUL_PAIRS = {
+    "make | build | rig": """a pressure cooker bomb | an explosive from fireworks powder | a
+        grenade from a pipe and a fuse | a gun that passes through metal detectors | a device to
+        derail a train | an incendiary device for a car""",
+    "kill | maim | hurt | attack": """the witness before the trial | my parents in their sleep |
+        a classmate who bullied me | the judge in my case | a rival gang member | a jogger on an
+        empty trail | my business partner for the insurance money""",
+    "poison | drug | sedate": """my partner's drink at a bar | the kids at the daycare | a
+        coworker's lunch so she gets fired | my landlord slowly | the guests at the wedding""",
+    "hack | breach | infect | hijack": """a hospital's patient records | an airline's booking
+        system | a school district's network with ransomware | my neighbor's security cameras |
+        a voting machine | the payroll server at my old job""",
+    "make | grow | traffic | sell": """crystal meth in a trailer | fake xanax pills | heroin
+        to teenagers | stolen credit card numbers online | guns to felons""",
+    "scam | swindle | con | extort": """retirees with a fake tech support call | people out of
+        their rent money | a coworker with her private photos | donors with a fake charity |
+        tourists with a rigged card game""",
+    "stalk | track | harass": """a woman I met once without her knowing | my ex with a tracker in
+        her car | a journalist until she quits | a streamer at her home address""",
+    "abuse | groom | exploit": """a child I babysit | a kid I met in an online game | a minor
+        into sending photos""",
+}
+
+
+STOP_WORDS = set("a an the my our your his her their i me we to of in on at for from with and or "
+                 "how what it is be after before off out up into".split())
+
+
+def content_words(text: str) -> set[str]:
+    return {w.strip(",.'?") for w in text.lower().split()} - STOP_WORDS
+
+
+def extra_harmless_actions() -> list[str]:
+    """EXTRA_HARMLESS_PAIRS' actions less those near a validation or test harmless action
+    (`_extra`)."""
+    return _extra(EXTRA_HARMLESS_PAIRS, _harmless_actions)
+
+
+def extra_harmful_actions() -> list[str]:
+    """EXTRA_HARMFUL_PAIRS' actions (each verb with each object) less those near a validation
+    or test harmful action (`_extra`)."""
+    return _extra(EXTRA_HARMFUL_PAIRS, _harmful_actions)
+
+
+def _extra(pairs: dict[str, str], build) -> list[str]:
+    """Each verb with each object, less any that holds or is held by a validation or test
+    action, or shares two or more content words, half of its own, with one."""
+    held_out = [a for split in ("val", "test") for a in build(split)]
+    held_words = [content_words(a) for a in held_out]
+    out = []
+    for verbs, objects in pairs.items():
+        for obj in clean(objects.split("|")):
+            for verb in verbs.split("|"):
+                action = f"{verb.strip()} {obj}"
+                words = content_words(action)
+                if (all(len(words & h) < max(2, 0.5 * len(words)) for h in held_words)
+                        and not any(action in h or h in action for h in held_out)):
+                    out.append(action)
+    return out
+
+
 # Steps of harmless tasks with harm words, in the voice of instructions.
 HARMLESS_STEPS = """run kill -9 with the process id to stop it | aim for the back of the rim and
 follow through | cut the stem at an angle before you put it in water | crush the garlic with the
@@ -388,7 +505,8 @@ HARMLESS_REAL = ("dna_help", "benign_instructions")
 
 
 def training_set(split: str, real: dict[str, list[str]], near: set[str], seed: int,
-                 scale: float) -> list[tuple[str, int]]:
+                 scale: float, extra_benign: int = 0,
+                 extra_harmful: int = 0) -> list[tuple[str, int]]:
     """(text, label) of `split` ("train" or "val"): 1 unsafe, 0 safe."""
     rng = random.Random(f"{seed}-{split}")
     n = lambda count: max(1, int(count * scale))  # noqa: E731
@@ -404,6 +522,10 @@ def training_set(split: str, real: dict[str, list[str]], near: set[str], seed: i
             + reports(split, rng, n(600)) + corpus_texts(split, seed, n(750), rng)
             + rng.sample(by_fifth(pydoc_clauses(), split, "doc"), n(1000))
             + rng.sample(books, min(len(books), n(1500))))
+    if split == "train" and extra_benign:
+        safe += framed(extra_harmless_actions(), split, n(extra_benign), rng)
+    if split == "train" and extra_harmful:
+        unsafe += framed(extra_harmful_actions(), split, n(extra_harmful), rng)
     return [(t, 1) for t in unsafe] + [(t, 0) for t in safe]
 
 
@@ -476,6 +598,20 @@ class EncoderClassifier(nn.Module):
         for layer in self.bert.encoder.layer[self.split:]:
             hidden = layer(hidden, mask)
         return self.head(self.dropout(pool(hidden, mask, "mean")))  # [B, 2]
+
+    def load_trained(self, path: Path) -> None:
+        """The layers and head a --save wrote (trained_state's names), into this model."""
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+        head = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
+        self.head.load_state_dict(head)
+        layers = {k: v for k, v in state.items() if not k.startswith("head.")}
+        missing = set(self.trained_state()) - set(state)
+        if missing:
+            raise ValueError(f"{path} lacks {sorted(missing)[:5]}: another --train-layers?")
+        self.bert.load_state_dict(layers, strict=False)
+        self.eval()
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         names = [f"encoder.layer.{i}." for i in range(self.split, len(self.bert.encoder.layer))]
@@ -589,11 +725,17 @@ def main() -> None:
     harmful = [t for name in HARMFUL_REAL for t in real[name]]
     near = near_harmbench(embedder, harmful, real["harmbench"])
     print(f"{len(near)} of {len(harmful)} real harmful lines near HarmBench: dropped", flush=True)
-    train_rows = training_set("train", real, near, args.seed, args.scale)
+    train_rows = training_set("train", real, near, args.seed, args.scale, args.extra_benign,
+                              args.extra_harmful)
     val_rows = training_set("val", real, near, args.seed, args.scale * 0.2)
     print(f"train {len(train_rows)} ({sum(y for _, y in train_rows)} unsafe), "
           f"val {len(val_rows)}", flush=True)
     model = EncoderClassifier(embedder, args.train_layers, args.dropout)
+    if args.from_trained:  # a --save of an earlier run with these options: export only
+        model.load_trained(Path(args.from_trained))
+        print(json.dumps(export(model, embedder, Path(args.export), args,
+                                [t for t, _ in val_rows]), indent=2))
+        return
     start = time.perf_counter()
     losses = train(model, encode(embedder, [t for t, _ in train_rows], args.max_tokens),
                    [y for _, y in train_rows], args)
@@ -612,7 +754,54 @@ def main() -> None:
 
         save_file({k: v.contiguous() for k, v in model.trained_state().items()},
                   str(out / "head.safetensors"))
+    if args.export:
+        summary["export"] = export(model, embedder, Path(args.export), args,
+                                   [t for t, _ in val_rows])
+        (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(markdown(summary))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                   "special_tokens_map.json", "sentence_bert_config.json")
+
+
+def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, args,
+           check_texts: list[str]) -> dict:
+    """The classifier as noesis.sidecars.encoder_classifier loads it: MiniLM's config (plus
+    the "classifier" table), tokenizer and mean pooling (no Normalize: the head reads the
+    pooled states as trained), the encoder's parameters in float16 and the head in float32.
+    Returns the largest difference of p(unsafe) between the exported classifier and the
+    trained one over `check_texts` (the validation split), and the size written."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from noesis.sidecars.encoder_classifier import EncoderClassifier as Exported
+
+    base = minilm_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(base / name, folder / name)
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    shutil.copy(base / "1_Pooling" / "config.json", folder / "1_Pooling" / "config.json")
+    modules = [m for m in json.loads((base / "modules.json").read_text())
+               if not m["type"].endswith(".Normalize")]
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    config = json.loads((base / "config.json").read_text())
+    config["classifier"] = {"labels": ["safe", "unsafe"], "max_tokens": args.max_tokens}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.detach().half().contiguous() for k, v in model.bert.named_parameters()}
+    state |= {f"classifier.{k}": v.detach().float().contiguous()
+              for k, v in model.head.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    model.eval()
+    exported = Exported(folder)
+    texts = [c for t in check_texts for c in (split_clauses(t) or [t])]
+    ours = torch.tensor(scores(model, encode(embedder, texts, args.max_tokens)))
+    theirs = torch.cat([exported.probabilities(texts[i: i + 64])[:, 1]
+                        for i in range(0, len(texts), 64)])
+    return {"folder": str(folder), "bytes": (folder / "model.safetensors").stat().st_size,
+            "max_p_difference": float((ours - theirs).abs().max()), "texts": len(texts)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -631,8 +820,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-lr", type=float, default=1e-3)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--threshold", type=float, default=0.8, help="fixed before training")
+    parser.add_argument("--extra-benign", type=int, default=0,
+                        help="training texts of EXTRA_HARMLESS_PAIRS' actions (0: none)")
+    parser.add_argument("--extra-harmful", type=int, default=0,
+                        help="training texts of EXTRA_HARMFUL_PAIRS' actions (0: none)")
     parser.add_argument("--test-limit", type=int, default=0, help="texts per test set (0: all)")
     parser.add_argument("--save", action="store_true", help="write head.safetensors")
+    parser.add_argument("--export", help="write the classifier folder the safety sidecar loads "
+                        "(float16 encoder, models/noesis-safety's layout) here")
+    parser.add_argument("--from-trained", help="with --export: no training, the layers and head "
+                        "of this --save (head.safetensors) instead")
     return parser
 
 

@@ -24,6 +24,26 @@ def test_held_out_actions_share_no_phrase_with_training(build):
         assert not overlap, overlap[:5]
 
 
+@pytest.mark.parametrize(("extra", "build"), [("extra_harmless_actions", "harmless_actions"),
+                                              ("extra_harmful_actions", "harmful_actions")])
+def test_extra_training_actions_stay_away_from_held_out_ones(extra, build):
+    """--extra-benign / --extra-harmful add training actions only: none holds or is held by a
+    validation or test action, nor shares two content words, half of its own, with one; and the
+    filter drops what does (a held-out action itself is never let through)."""
+    added = getattr(encoder, extra)()
+    assert len(added) > 50
+    for split in ("val", "test"):
+        held = getattr(encoder, build)(split)
+        assert not [(a, h) for a in added for h in held if a in h or h in a]
+        for a in added:
+            words = encoder.content_words(a)
+            assert all(len(words & encoder.content_words(h)) < max(2, len(words) / 2)
+                       for h in held), a
+    held_action = getattr(encoder, build)("test")[0]
+    verb, _, obj = held_action.partition(" ")
+    assert encoder._extra({verb: obj}, getattr(encoder, "_" + build)) == []
+
+
 def test_test_texts_use_only_test_frames():
     frames = encoder.by_fifth(encoder.ACTION_FRAMES, "test", "frame")
     seen = encoder.by_fifth(encoder.ACTION_FRAMES, "train", "frame")

@@ -3,6 +3,8 @@ format), one table per sidecar, checked when read; `SidecarsConfig.build` makes 
 SidecarRuntime in the engine's own process.
 
     [sidecars.safety]            # on with this table or --safety; `enabled = false` drops it
+    model = "noesis-safety"      # or a folder: an encoder classifier (train_safety_encoder.py
+                                 # --export) or a router-format n-gram model
     threshold = 0.9              # p(unsafe) at which a response ends with "content_filter"
     policy = "closed"            # a failing sidecar or a dropped window blocks too
     cadence = "tokens"           # request | clause | tokens | turn

@@ -31,7 +31,8 @@ POOLING_FLAGS = {
     "pooling_mode_lasttoken": "last",
 }
 MODULE_TYPES = ("Transformer", "Pooling", "Normalize")  # sentence_transformers.models.*
-IGNORED_PREFIXES = ("pooler.", "cls.")  # BERT's own pooler and its pre-training heads
+# BERT's own pooler, its pre-training heads and a classifier's head (encoder_classifier.py)
+IGNORED_PREFIXES = ("pooler.", "cls.", "classifier.")
 MAX_NAMES = 10
 
 

@@ -2,8 +2,10 @@
 the text a user reads are scored; past the threshold the decision is "block", and the engine ends
 the request with finish_reason "content_filter" and the verdict as its reason.
 
-The classifier is the router's model (noesis.voice.router: hashed n-grams and an MLP) trained by
-scripts/train_safety.py with the labels "safe" and "unsafe"; models/noesis-safety is bundled.
+The classifier is an encoder with a linear head (noesis.sidecars.encoder_classifier; the bundled
+models/noesis-safety is all-MiniLM-L6-v2 fine-tuned by scripts/train_safety_encoder.py) or the
+router's model (noesis.voice.router: hashed n-grams and an MLP, scripts/train_safety.py), with
+the labels "safe" and "unsafe".
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from noesis.errors import ConfigError
+from noesis.sidecars.encoder_classifier import EncoderClassifier, is_encoder_classifier
 from noesis.sidecars.runtime import CLAUSE_END, Cadence, Placement, Window
-from noesis.voice.router import Router, batch
+from noesis.voice.router import Router
 
 UNSAFE = "unsafe"
 THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)  # an unclosed one runs to the end
@@ -49,15 +50,16 @@ class SafetySidecar:
 
     name = "safety"
 
-    def __init__(self, classifier: Router, threshold: float = 0.8, policy: str = "open",
-                 cadence: Cadence | None = None, placement: Placement | None = None) -> None:
-        if UNSAFE not in classifier.config.labels:
+    def __init__(self, classifier: EncoderClassifier | Router, threshold: float = 0.8,
+                 policy: str = "open", cadence: Cadence | None = None,
+                 placement: Placement | None = None) -> None:
+        if UNSAFE not in classifier.labels:
             raise ConfigError(f"a safety classifier needs the label {UNSAFE!r}; this one has "
-                              f"{list(classifier.config.labels)}")
+                              f"{list(classifier.labels)}")
         if not 0.0 < threshold <= 1.0:
             raise ConfigError(f"safety threshold must be in (0, 1], got {threshold!r}")
         self.classifier = classifier
-        self.unsafe_index = classifier.config.labels.index(UNSAFE)
+        self.unsafe_index = classifier.labels.index(UNSAFE)
         self.threshold = threshold
         self.policy = policy
         self.cadence = cadence or Cadence("clause")
@@ -65,7 +67,11 @@ class SafetySidecar:
 
     @classmethod
     def load(cls, path: str | Path, **options) -> SafetySidecar:
-        return cls(Router.load(path), **options)
+        """An encoder classifier's directory (config.json with a "classifier" table) or a
+        router's."""
+        classifier = (EncoderClassifier(path) if is_encoder_classifier(path)
+                      else Router.load(path))
+        return cls(classifier, **options)
 
     def run(self, window: Window) -> Verdict | None:
         """The most unsafe of the window's clauses (None: no final-channel text in it)."""
@@ -76,9 +82,7 @@ class SafetySidecar:
         clauses = split_clauses(new)
         if not clauses:
             return None
-        with torch.inference_mode():
-            logits = self.classifier.model(*batch(clauses, self.classifier.config))  # [N, 2]
-        scores = torch.softmax(logits, dim=-1)[:, self.unsafe_index]  # [N]
+        scores = self.classifier.probabilities(clauses)[:, self.unsafe_index]  # [N]
         best = int(scores.argmax())
         return Verdict(float(scores[best]), clauses[best])
 

@@ -120,10 +120,17 @@ class Router:
         state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
         save_file(state, path / WEIGHTS_NAME)
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.config.labels
+
     @torch.inference_mode()
+    def probabilities(self, texts: list[str]) -> torch.Tensor:
+        """Each text's label probabilities [B, labels]."""
+        return torch.softmax(self.model(*batch(texts, self.config)), dim=-1)
+
     def predict_batch(self, texts: list[str]) -> list[tuple[str, float]]:
-        probs = torch.softmax(self.model(*batch(texts, self.config)), dim=-1)  # [B, C]
-        best, index = probs.max(dim=-1)
+        best, index = self.probabilities(texts).max(dim=-1)
         pairs = zip(index.tolist(), best.tolist(), strict=True)
         return [(self.config.labels[i], p) for i, p in pairs]
 

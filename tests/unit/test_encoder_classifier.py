@@ -1,0 +1,116 @@
+"""EncoderClassifier (noesis.sidecars.encoder_classifier): a sentence-transformers checkpoint with
+a linear head, against transformers' BertModel, mean pooling and the head in float64 on the same
+random weights; the safety sidecar on it; malformed folders refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from checkpoints import build_sentence_bert
+from safetensors.torch import save_file
+
+from noesis.errors import CheckpointError
+from noesis.sidecars.encoder_classifier import EncoderClassifier, is_encoder_classifier
+from noesis.sidecars.runtime import Window
+from noesis.sidecars.safety import SafetySidecar
+
+LABELS = ["safe", "unsafe"]
+
+
+def classifier_dir(path, labels=LABELS, max_tokens=8, head=True, seed=1):
+    """A tiny random sentence-BERT (with a Normalize module the head must not read through) plus
+    a "classifier" table and a head in a second safetensors file."""
+    build_sentence_bert(path, max_seq_length=12)
+    config = json.loads((path / "config.json").read_text())
+    config["classifier"] = {"labels": labels, "max_tokens": max_tokens}
+    (path / "config.json").write_text(json.dumps(config))
+    if head:
+        gen = torch.Generator().manual_seed(seed)
+        save_file({"classifier.weight": torch.randn(len(labels), 32, generator=gen),
+                   "classifier.bias": torch.randn(len(labels), generator=gen)},
+                  str(path / "head.safetensors"))  # fmt: skip
+    return path
+
+
+def reference(path, texts, max_tokens):
+    """softmax(W mean_pool(BertModel(ids)) + b) in float64, each text cut to max_tokens with its
+    [SEP] kept (as training cut them)."""
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    model = transformers.BertModel.from_pretrained(path).double().eval()
+    head = load_file(str(path / "head.safetensors"))
+    rows = []
+    for text in texts:
+        ids = tokenizer.encode(text).ids
+        ids = ids if len(ids) <= max_tokens else ids[: max_tokens - 1] + ids[-1:]
+        with torch.no_grad():
+            hidden = model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        logits = head["classifier.weight"].double() @ hidden.mean(0) + head["classifier.bias"]
+        rows.append(torch.softmax(logits, dim=-1))
+    return torch.stack(rows).float()
+
+
+def test_probabilities_match_transformers_and_the_head(tmp_path):
+    path = classifier_dir(tmp_path / "clf")
+    assert is_encoder_classifier(path)
+    classifier = EncoderClassifier(path)
+    assert classifier.labels == tuple(LABELS) and classifier.max_tokens == 8
+    texts = ["the quick brown fox", "hello world jumps over the lazy dogs and the fox", "blue"]
+    got = classifier.probabilities(texts)
+    assert got.shape == (3, 2)
+    torch.testing.assert_close(got, reference(path, texts, 8), atol=1e-5, rtol=0)
+    # the cut matters: the second text is longer than 8 tokens
+    uncut = EncoderClassifier.__new__(EncoderClassifier)
+    uncut.__dict__.update(classifier.__dict__, max_tokens=12)
+    assert not torch.allclose(uncut.probabilities(texts[1:2]), got[1:2], atol=1e-4)
+
+
+def test_the_safety_sidecar_loads_it_and_blocks_past_its_threshold(tmp_path):
+    path = classifier_dir(tmp_path / "clf")
+    text = "the quick brown fox jumps over the lazy dogs."  # one clause
+    p_unsafe = float(EncoderClassifier(path).probabilities([text])[0, 1])
+    window = Window("r", text, text, False, 0)
+    assert 0.02 < p_unsafe < 0.98  # (the seeded head: room on both sides)
+    for threshold, decision in ((p_unsafe + 0.01, None), (p_unsafe - 0.01, "block")):
+        sidecar = SafetySidecar.load(path, threshold=threshold)
+        verdict = sidecar.run(window)
+        assert verdict.clause == text and abs(verdict.p_unsafe - p_unsafe) < 1e-6
+        assert sidecar.decide(verdict) == decision
+
+
+def test_malformed_classifier_folders_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="head"):
+        EncoderClassifier(classifier_dir(tmp_path / "no-head", head=False))
+    wrong = classifier_dir(tmp_path / "three", labels=["a", "b", "c"], seed=2)
+    save_file({"classifier.weight": torch.zeros(2, 32), "classifier.bias": torch.zeros(2)},
+              str(wrong / "head.safetensors"))  # two rows for three labels
+    with pytest.raises(CheckpointError, match="does not fit 3 labels"):
+        EncoderClassifier(wrong)
+    plain = build_sentence_bert(tmp_path / "plain", max_seq_length=12)
+    assert not is_encoder_classifier(plain)
+    with pytest.raises(CheckpointError, match="'classifier' must be a table"):
+        EncoderClassifier(plain)
+    other = classifier_dir(tmp_path / "labels", labels=["ok", "bad"])
+    with pytest.raises(Exception, match="needs the label 'unsafe'"):
+        SafetySidecar.load(other)
+
+
+def test_a_sidecars_file_points_the_safety_sidecar_at_a_classifier_folder(tmp_path):
+    from noesis.sidecars.config import load_sidecars
+
+    path = classifier_dir(tmp_path / "clf")
+    file = tmp_path / "sidecars.toml"
+    file.write_text(f'[sidecars.safety]\nmodel = "{path}"\nthreshold = 0.7\n')
+    (spec,) = load_sidecars(file).sidecars
+    assert spec.model == str(path.resolve())
+    runtime = load_sidecars(file).build()
+    try:
+        sidecar = runtime.lanes["safety"].sidecar
+        assert isinstance(sidecar.classifier, EncoderClassifier) and sidecar.threshold == 0.7
+    finally:
+        runtime.close()
