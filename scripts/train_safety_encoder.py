@@ -21,8 +21,9 @@ The threshold is fixed before training (--threshold, the sidecar's 0.8); the val
 best threshold is reported beside it. Writes results.json and results.md, and with --save the
 trained layers and head (head.safetensors) to --out; --export DIR writes the classifier folder
 the safety sidecar loads (noesis.sidecars.encoder_classifier; `--from-trained head.safetensors`
-exports an earlier --save without training). --extra-benign / --extra-harmful add training-only
-actions (EXTRA_HARMLESS_PAIRS / EXTRA_HARMFUL_PAIRS) kept away from every held-out action.
+exports an earlier --save without training). --extra-benign / --more-benign / --extra-harmful
+add training-only actions (EXTRA_HARMLESS_PAIRS, MORE_HARMLESS_PAIRS, EXTRA_HARMFUL_PAIRS) kept
+away from every held-out action.
 """
 
 from __future__ import annotations
@@ -315,6 +316,46 @@ EXTRA_HARMLESS_PAIRS = {
 }
 
 
+# A second set of harmless harm-word actions, training only (--more-benign), written after runs
+# C-E (RESULTS.md): other verbs and everyday objects, filtered as the first set is.
+MORE_HARMLESS_PAIRS = {
+    "kill": """the alarm before it wakes the baby | a bad smell in the car | the mood with a bad
+        joke | the wifi at bedtime for the kids | my speed before the sharp curve""",
+    "shoot": """a penalty kick | some photos of the northern lights | a message in the group
+        chat | for a promotion at work | the rapids in a kayak with a guide""",
+    "attack": """the stains on my white shirt | a new language with flashcards | the hill on my
+        morning run | my inbox first thing | the dirty dishes after dinner""",
+    "destroy": """my high score in tetris | the old drafts of my novel | bad habits one at a time |
+        the weeds in the flower bed with vinegar""",
+    "steal": """the ball from the point guard | the scene in the school play | a bite of my
+        sister's dessert | a moment for myself during a busy day""",
+    "blow up": """a map to read the street names | the kids' inflatable castle | my phone with
+        messages after posting the news""",
+    "break": """a bad habit | the silence at a dinner party | a board in taekwondo class | the
+        news gently to my parents | a sweat on the treadmill | in new running shoes""",
+    "crush": """ice for cocktails | the interview with good preparation | my sales target | a
+        can for recycling | cardboard boxes for the bin""",
+    "fight": """a cold with rest and tea | the urge to snack at night | a parking ticket in
+        court | for a better grade | fruit flies with a vinegar trap""",
+    "kidnap": """my best friend for a surprise birthday trip | my wife for a weekend away she
+        doesn't know about""",
+    "hijack": """the conversation back to my point | the aux cord on a road trip""",
+    "slash": """prices for the summer sale | my grocery bill in half | the time of my commute""",
+    "bury": """a time capsule in the backyard | my pet hamster in the garden | the cables under
+        the carpet""",
+    "drown": """out the traffic noise with a fan | my fries in ketchup | my sorrows in ice cream""",
+    "shred": """cheese for the pizza | the guitar solo | carrots for a salad | old tax papers after
+        seven years""",
+    "target": """ads at young parents for my bakery | my weak muscles at the gym | a lower
+        heart rate on easy runs""",
+    "nuke": """a frozen burrito | the cache in my browser""",
+    "assassinate": """the final boss in hitman, how to get silent assassin | a character in my
+        mystery novel, how to make it believable""",
+    "weaponize": """my morning energy for deep work | kindness at work, what the phrase means""",
+    "infiltrate": """the cool kids' table at lunch, a joke | the sourdough community online""",
+}
+
+
 # More harmful actions, training only (--extra-harmful): request topics, nothing operational;
 # filtered against the held-out harmful actions as EXTRA_HARMLESS_PAIRS' are.
 EXTRA_HARMFUL_PAIRS = {
@@ -353,6 +394,11 @@ def extra_harmless_actions() -> list[str]:
     """EXTRA_HARMLESS_PAIRS' actions less those near a validation or test harmless action
     (`_extra`)."""
     return _extra(EXTRA_HARMLESS_PAIRS, _harmless_actions)
+
+
+def more_harmless_actions() -> list[str]:
+    """MORE_HARMLESS_PAIRS' actions less those near a validation or test harmless action."""
+    return _extra(MORE_HARMLESS_PAIRS, _harmless_actions)
 
 
 def extra_harmful_actions() -> list[str]:
@@ -505,8 +551,8 @@ HARMLESS_REAL = ("dna_help", "benign_instructions")
 
 
 def training_set(split: str, real: dict[str, list[str]], near: set[str], seed: int,
-                 scale: float, extra_benign: int = 0,
-                 extra_harmful: int = 0) -> list[tuple[str, int]]:
+                 scale: float, extra_benign: int = 0, extra_harmful: int = 0,
+                 more_benign: int = 0) -> list[tuple[str, int]]:
     """(text, label) of `split` ("train" or "val"): 1 unsafe, 0 safe."""
     rng = random.Random(f"{seed}-{split}")
     n = lambda count: max(1, int(count * scale))  # noqa: E731
@@ -524,6 +570,8 @@ def training_set(split: str, real: dict[str, list[str]], near: set[str], seed: i
             + rng.sample(books, min(len(books), n(1500))))
     if split == "train" and extra_benign:
         safe += framed(extra_harmless_actions(), split, n(extra_benign), rng)
+    if split == "train" and more_benign:
+        safe += framed(more_harmless_actions(), split, n(more_benign), rng)
     if split == "train" and extra_harmful:
         unsafe += framed(extra_harmful_actions(), split, n(extra_harmful), rng)
     return [(t, 1) for t in unsafe] + [(t, 0) for t in safe]
@@ -726,7 +774,7 @@ def main() -> None:
     near = near_harmbench(embedder, harmful, real["harmbench"])
     print(f"{len(near)} of {len(harmful)} real harmful lines near HarmBench: dropped", flush=True)
     train_rows = training_set("train", real, near, args.seed, args.scale, args.extra_benign,
-                              args.extra_harmful)
+                              args.extra_harmful, args.more_benign)
     val_rows = training_set("val", real, near, args.seed, args.scale * 0.2)
     print(f"train {len(train_rows)} ({sum(y for _, y in train_rows)} unsafe), "
           f"val {len(val_rows)}", flush=True)
@@ -824,6 +872,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="training texts of EXTRA_HARMLESS_PAIRS' actions (0: none)")
     parser.add_argument("--extra-harmful", type=int, default=0,
                         help="training texts of EXTRA_HARMFUL_PAIRS' actions (0: none)")
+    parser.add_argument("--more-benign", type=int, default=0,
+                        help="training texts of MORE_HARMLESS_PAIRS' actions (0: none)")
     parser.add_argument("--test-limit", type=int, default=0, help="texts per test set (0: all)")
     parser.add_argument("--save", action="store_true", help="write head.safetensors")
     parser.add_argument("--export", help="write the classifier folder the safety sidecar loads "

@@ -25,11 +25,12 @@ def test_held_out_actions_share_no_phrase_with_training(build):
 
 
 @pytest.mark.parametrize(("extra", "build"), [("extra_harmless_actions", "harmless_actions"),
+                                              ("more_harmless_actions", "harmless_actions"),
                                               ("extra_harmful_actions", "harmful_actions")])
 def test_extra_training_actions_stay_away_from_held_out_ones(extra, build):
-    """--extra-benign / --extra-harmful add training actions only: none holds or is held by a
-    validation or test action, nor shares two content words, half of its own, with one; and the
-    filter drops what does (a held-out action itself is never let through)."""
+    """--extra-benign / --more-benign / --extra-harmful add training actions only: none holds
+    or is held by a validation or test action, nor shares two content words, half of its own,
+    with one; and the filter drops what does (a held-out action itself is never let through)."""
     added = getattr(encoder, extra)()
     assert len(added) > 50
     for split in ("val", "test"):

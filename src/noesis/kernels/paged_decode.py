@@ -265,11 +265,11 @@ def paged_decode_attention(
     The context is split for parallelism, a program per split up to a cap (`split_programs`),
     past which each program carries its online softmax over every n-th split (under a sliding
     window only the splits the window reaches, so its cost follows the window, not the
-    context); the programs'
-    partials merge in a second kernel, or, for larger batches, in the same launch (the last
-    program of each (sequence, KV head) to finish merges them); a sink joins the merge. An
-    fp8 cache (`kv_scales`) is loaded as stored and scaled in the kernel. `tuning` overrides
-    the launch (partition, block_n, num_warps, num_stages, fused_reduce): benchmarks only."""
+    context); the programs' partials merge in a second kernel, or, for larger batches, in the
+    same launch (the last program of each (sequence, KV head) to finish merges them); a sink
+    joins the merge. An fp8 cache (`kv_scales`) is loaded as stored and scaled in the kernel.
+    `tuning` overrides the launch (partition, block_n, num_warps, num_stages, fused_reduce):
+    benchmarks only."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert ctx_lens.stride(0) == 1 and q.stride(2) == 1 and k_cache.stride(3) == 1
