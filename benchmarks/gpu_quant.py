@@ -291,7 +291,10 @@ def bench_variant(path: Path, device: str, kv_dtype: str, batches: list[int], lo
               max_num_seqs=max(batches), kv_cache_dtype=kv_dtype, progress=False, **gguf)
     engine = llm.engine
     model = engine.loaded.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # int4 fragments live in buffers (the stored parameters are freed once packed)
+    weights = [*model.parameters(), *(b for name, b in model.named_buffers()
+                                      if name.rsplit(".", 1)[-1].startswith("fragment_"))]
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights)
     embed = model.model.embed_tokens.weight
     read_bytes = weight_bytes - (embed.numel() * embed.element_size() if model.lm_head else 0)
     kv_per_token = page_bytes(engine.loaded.config, 1, engine.kv_dtype)

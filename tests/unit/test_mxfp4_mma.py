@@ -21,7 +21,6 @@ import triton.language as tl  # noqa: E402
 from noesis.kernels import moe_triton  # noqa: E402
 from noesis.kernels.asm import bf16x2_asm  # noqa: E402
 from noesis.kernels.frag_gemv import frag_gemv  # noqa: E402
-from noesis.kernels.mxfp4_mma import X_SCALE  # noqa: E402
 from noesis.weights.mxfp4 import (  # noqa: E402
     Mxfp4Fragments,
     Mxfp4Weight,
@@ -89,12 +88,12 @@ def test_gate_up_tiles_pair_each_columns_gate_and_up(inner):
 def sums_kernel(x_ptr, w_ptr, s_ptr, out_ptr, expert, NT: tl.constexpr, KC: tl.constexpr,
                 K: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr, CH: tl.constexpr,
                 NO_ASM: tl.constexpr, FORMAT: tl.constexpr = 0, GC: tl.constexpr = 1,
-                NG: tl.constexpr = 1, SCALED_X: tl.constexpr = False):  # fmt: skip
+                NG: tl.constexpr = 1):  # fmt: skip
     """out[row] = frag_gemv's float32 sum of each packed row, as the lanes t = 0 hold them
     (FORMAT 0: MXFP4; test_int4_fragments.py runs the int4 formats)."""
     tile0 = tl.program_id(0) * WARPS
     sum_g, sum_h = frag_gemv(x_ptr, w_ptr, s_ptr, expert, tile0, NT, KC, K, WARPS, KSPLIT, CH,
-                             NO_ASM, FORMAT, GC, NG, False, SCALED_X)  # fmt: skip
+                             NO_ASM, FORMAT, GC, NG)  # fmt: skip
     m = tl.arange(0, WARPS * 32)
     rows = (tile0 + m // 32) * 16 + (m % 32) // 4
     ok = (m % 4 == 0) & (tile0 + m // 32 < NT)
@@ -109,29 +108,21 @@ def test_frag_gemv_sums_each_row_against_x(rows, cols, tiles):
     """Every row's sum in float32, before any rounding: the layout, the decode, the scales and
     the split over lanes, chunks and warps; padding rows and columns add nothing. The shapes
     give an iteration's chunks (split x chunks) a tail, none, whole iterations before a tail
-    (640 columns: 10 chunks over 4), and whole iterations only (1024: 16 over 4). x as stored,
-    and carrying 2^100 (SCALED_X, as gate_up stores act for down): the same sums, bit for
-    bit."""
+    (640 columns: 10 chunks over 4), and whole iterations only (1024: 16 over 4)."""
     weight = _mxfp4(2, rows, cols, seed=cols, low=112, high=130)
     fragments = Mxfp4Fragments.pack(weight.blocks, weight.scales)
     xs = [torch.randn(cols, generator=torch.Generator().manual_seed(4)), torch.eye(cols)[cols - 5]]
     for x in (x.bfloat16().to(DEVICE) for x in xs):  # random, and one column: each code alone
         warps, split, chunks = tiles
-        outs = []
-        for scaled in (False, True):
-            out = torch.zeros(fragments.tiles * 16, device=DEVICE)
-            sums_kernel[(triton.cdiv(fragments.tiles, warps),)](
-                x * X_SCALE if scaled else x, fragments.words, fragments.scales, out, 1,
-                NT=fragments.tiles, KC=fragments.chunks, K=cols, WARPS=warps, KSPLIT=split,
-                CH=chunks, NO_ASM=not bf16x2_asm(x.device), SCALED_X=scaled,
-                num_warps=warps * split,
-            )  # fmt: skip
-            outs.append(out)
+        out = torch.zeros(fragments.tiles * 16, device=DEVICE)
+        sums_kernel[(triton.cdiv(fragments.tiles, warps),)](
+            x, fragments.words, fragments.scales, out, 1, NT=fragments.tiles,
+            KC=fragments.chunks, K=cols, WARPS=warps, KSPLIT=split, CH=chunks,
+            NO_ASM=not bf16x2_asm(x.device), num_warps=warps * split,
+        )  # fmt: skip
         ref = weight.dequantize()[1].double() @ x.double()
-        out = outs[0]
         assert torch.allclose(out[:rows].double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
         assert not out[rows:].any()
-        assert torch.equal(outs[1], out)
 
 
 def _reference(x, ids, weights, gate_up, down, gate_bias, down_bias, limit=7.0, alpha=1.702):

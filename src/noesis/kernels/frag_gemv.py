@@ -11,8 +11,7 @@ as words (the B operand, the same in all eight columns, so every lane's accumula
 two rows' sums). They differ in how a word becomes the A registers and in the numbers that
 scale the sums (`FORMAT`):
 - 0, MXFP4: a scale word per (tile, chunk, g), the E8M0 exponents of rows g and g + 8 over the
-  chunk's two blocks of 32; x carries 2^100 (put on inside the assembly, or by x's producer:
-  SCALED_X), the sums 2^26 here.
+  chunk's two blocks of 32; x carries 2^100 inside the assembly, the sums 2^26 here.
 - 1 / 2, int4 with bfloat16 / float16 x: two words per (tile, group, g) (int4_mma.py), a
   group of GC chunks; NG groups a tile.
 """
@@ -33,13 +32,7 @@ from noesis.kernels.int4_mma import (
     int4_chunk_sums,
     int4_frag_tile,
 )
-from noesis.kernels.mxfp4_mma import (
-    MXFP4_CHUNK_ASM,
-    MXFP4_SCALED_X_CHUNK_ASM,
-    frag_tile,
-    mxfp4_chunk_sums,
-)
-from noesis.kernels.pdl import gdc_wait
+from noesis.kernels.mxfp4_mma import MXFP4_CHUNK_ASM, frag_tile, mxfp4_chunk_sums
 
 MXFP4, INT4_BF16, INT4_F16 = 0, 1, 2  # FORMAT
 INT4_CONSTRAINTS = tl.constexpr("=f,=f,f,f" + ",r" * 14)  # sums out; sums, 4 + 8 + 2 words in
@@ -51,57 +44,31 @@ ROWS_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f,f,f,f,f" + ",r" * 25)  # sums; sums
 def frag_gemv(x_row, w_ptr, s_ptr, expert, tile0, NT: tl.constexpr, KC: tl.constexpr,
               K: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr, CH: tl.constexpr,
               NO_ASM: tl.constexpr, FORMAT: tl.constexpr, GC: tl.constexpr,
-              NG: tl.constexpr, WAIT: tl.constexpr, SCALED_X: tl.constexpr):  # fmt: skip
+              NG: tl.constexpr):  # fmt: skip
     """Tiles tile0 .. tile0 + WARPS - 1 of expert's fragment-layout weights times x_row (16-bit
     floats) -> (sums of rows g, sums of rows g + 8) [WARPS * 32] float32, lane-major (tile w's
-    lane 4g + t at 32w + 4g + t; the four t hold the same sums; a tile past NT repeats the
-    last). WARPS * KSPLIT warps: KSPLIT of them share a tile's chunks, each CH chunks an
-    iteration, the next iteration's loaded while this one computes; their sums meet at the
-    end. GC and NG: int4's chunks a group and groups a tile (1 for MXFP4).
-
-    The iterations whose chunks all lie inside K load unmasked (a masked load has its
-    registers zeroed first: 6 instructions a chunk); the rest, a tail, masked. WAIT: PDL's
-    wait comes between the first weights' loads and x's (the weights owe nothing to the
-    kernel before; expert must not either). SCALED_X (MXFP4): x already carries 2^100
-    (mxfp4_mma.X_SCALE), as the expert gate_up kernel can store its activations."""
-    tl.static_assert(not SCALED_X or FORMAT == 0, "SCALED_X is MXFP4's")
+    lane 4g + t at 32w + 4g + t; the four t hold the same sums). WARPS * KSPLIT warps: KSPLIT
+    of them share a tile's chunks, each CH chunks an iteration, the next iteration's loaded
+    while this one computes; their sums meet at the end. GC and NG: int4's chunks a group and
+    groups a tile (1 for MXFP4)."""
     LANES: tl.constexpr = WARPS * 32
     SPAN: tl.constexpr = KSPLIT * CH  # chunks an iteration
-    # Whole iterations inside K (x's last chunk is partial unless K is a multiple of 64)
-    FULL: tl.constexpr = (KC if K % 64 == 0 else KC - 1) // SPAN
     m = tl.arange(0, CH * KSPLIT * LANES)
     c_in = (m // (KSPLIT * LANES)) + CH * ((m // LANES) % KSPLIT)  # the chunk in an iteration
     lane = m % 32
-    tile = tl.minimum(tile0 + (m // 32) % WARPS, NT - 1)
+    tile = tile0 + (m // 32) % WARPS
+    tile_ok = tile < NT
     row_tile = expert * NT + tile.to(tl.int64)
     xw = x_row.to(tl.pointer_type(tl.uint32))
     zero = tl.zeros((CH * KSPLIT * LANES,), tl.float32)
     sum_g, sum_h = zero, zero
-    if FULL > 0:
-        w, sw = _weight_load(w_ptr, s_ptr, row_tile, c_in, lane, KC, FORMAT, GC, NG, False)
-        if WAIT:
-            gdc_wait()  # x comes from the kernel before
-        xa, xb = _x_load(xw, c_in, c_in, lane, K, False)
-        # Unrolled twice: the loads of one iteration land in the registers the next computes
-        # from, where a rolled loop copies them over (37 moves an iteration, sm_90 SASS).
-        # (Loading two iterations ahead measured slower, RESULTS.md.)
-        for c0 in tl.range(0, (FULL - 1) * SPAN, SPAN, loop_unroll_factor=2):
-            c = c0 + SPAN + c_in
-            nw, nsw = _weight_load(w_ptr, s_ptr, row_tile, c, lane, KC, FORMAT, GC, NG, False)
-            nxa, nxb = _x_load(xw, c, c, lane, K, False)
-            sum_g, sum_h = _frag_chunk(w, xa, xb, sw, sum_g, sum_h, NO_ASM, FORMAT, SCALED_X)
-            w, xa, xb, sw = nw, nxa, nxb, nsw
-    if FULL * SPAN < KC:  # the tail, loaded while the last whole iteration computes
-        c = FULL * SPAN + c_in
-        tw, tsw = _weight_load(w_ptr, s_ptr, row_tile, c, lane, KC, FORMAT, GC, NG, True)
-        if WAIT and FULL == 0:
-            gdc_wait()
-        txa, txb = _x_load(xw, c < KC, c, lane, K, True)
-        if FULL > 0:
-            sum_g, sum_h = _frag_chunk(w, xa, xb, sw, sum_g, sum_h, NO_ASM, FORMAT, SCALED_X)
-        sum_g, sum_h = _frag_chunk(tw, txa, txb, tsw, sum_g, sum_h, NO_ASM, FORMAT, SCALED_X)
-    else:
-        sum_g, sum_h = _frag_chunk(w, xa, xb, sw, sum_g, sum_h, NO_ASM, FORMAT, SCALED_X)
+    w, xa, xb, sw = _frag_load(w_ptr, s_ptr, xw, row_tile, tile_ok, c_in, lane, K, KC, FORMAT,
+                               GC, NG)  # fmt: skip
+    for c0 in range(0, KC, SPAN):  # (two iterations ahead measured slower, RESULTS.md)
+        nw, nxa, nxb, nsw = _frag_load(w_ptr, s_ptr, xw, row_tile, tile_ok, c0 + SPAN + c_in,
+                                       lane, K, KC, FORMAT, GC, NG)  # fmt: skip
+        sum_g, sum_h = _frag_chunk(w, xa, xb, sw, sum_g, sum_h, NO_ASM, FORMAT)
+        w, xa, xb, sw = nw, nxa, nxb, nsw
     sum_g = tl.sum(tl.reshape(sum_g, (CH * KSPLIT, LANES)), axis=0)
     sum_h = tl.sum(tl.reshape(sum_h, (CH * KSPLIT, LANES)), axis=0)
     if FORMAT == 0:  # MXFP4's codes were value x 2^-126, x's pairs x 2^100
@@ -120,62 +87,54 @@ def _over_t(sums):
 
 
 @triton.jit
-def _weight_load(w_ptr, s_ptr, row_tile, c, lane, KC: tl.constexpr, FORMAT: tl.constexpr,
-                 GC: tl.constexpr, NG: tl.constexpr, MASKED: tl.constexpr,
-                 tile_ok=None):  # fmt: skip
-    """Chunk c of each element's tile: its lane's four words [M, 4] and its scale word [M]
-    (MXFP4) or its group's scale and zero words [M, 2] (int4); MASKED: 0 past KC chunks (and
-    where tile_ok is false, if given)."""
-    ok = c < KC
-    if tile_ok is not None:
-        ok = ok & tile_ok
+def _frag_load(w_ptr, s_ptr, xw, row_tile, tile_ok, c, lane, K: tl.constexpr, KC: tl.constexpr,
+               FORMAT: tl.constexpr, GC: tl.constexpr, NG: tl.constexpr):  # fmt: skip
+    """Chunk c of each element's tile: its lane's four words [M, 4], x's two runs [M, 4] each as
+    16-bit float pairs (0 past K), and its scale word [M] (MXFP4) or its group's scale and
+    zero words [M, 2] (int4)."""
+    ok = tile_ok & (c < KC)
+    words, sw = _weight_load(w_ptr, s_ptr, row_tile, ok, c, lane, KC, FORMAT, GC, NG)
+    xa, xb = _x_load(xw, ok, c, lane, K)
+    return words, xa, xb, sw
+
+
+@triton.jit
+def _weight_load(w_ptr, s_ptr, row_tile, ok, c, lane, KC: tl.constexpr, FORMAT: tl.constexpr,
+                 GC: tl.constexpr, NG: tl.constexpr):  # fmt: skip
     quad = tl.arange(0, 4)[None, :]
     at = (((row_tile * KC + c) * 32 + lane) * 4)[:, None] + quad
-    pair = tl.arange(0, 2)[None, :]
-    p_at = ((row_tile * NG + c // GC) * 8 + lane // 4) * 2
-    if MASKED:
-        words = tl.load(w_ptr + at, mask=ok[:, None], other=0)
-        if FORMAT == 0:
-            sw = tl.load(s_ptr + (row_tile * KC + c) * 8 + lane // 4, mask=ok, other=0)
-        else:
-            sw = tl.load(s_ptr + p_at[:, None] + pair, mask=ok[:, None], other=0)
+    words = tl.load(w_ptr + at, mask=ok[:, None], other=0)
+    if FORMAT == 0:
+        sw = tl.load(s_ptr + (row_tile * KC + c) * 8 + lane // 4, mask=ok, other=0)
     else:
-        words = tl.load(w_ptr + at)
-        if FORMAT == 0:
-            sw = tl.load(s_ptr + (row_tile * KC + c) * 8 + lane // 4)
-        else:
-            sw = tl.load(s_ptr + p_at[:, None] + pair)
+        pair = tl.arange(0, 2)[None, :]
+        p_at = ((row_tile * NG + c // GC) * 8 + lane // 4) * 2
+        sw = tl.load(s_ptr + p_at[:, None] + pair, mask=ok[:, None], other=0)
     return words, sw
 
 
 @triton.jit
-def _x_load(xw, ok, c, lane, K: tl.constexpr, MASKED: tl.constexpr):
-    """A lane's two runs of x (as words from xw, a row's start or one per element) in chunk c;
-    MASKED: 0 where not ok and past K."""
+def _x_load(xw, ok, c, lane, K: tl.constexpr):
+    """A lane's two runs of x (as words from xw, a row's start or one per element) in chunk c."""
     quad = tl.arange(0, 4)[None, :]
     x_at = (c * 32 + (lane % 4) * 4)[:, None] + quad
-    if MASKED:
-        xa = tl.load(xw + x_at, mask=ok[:, None] & (x_at < K // 2), other=0)
-        xb = tl.load(xw + x_at + 16, mask=ok[:, None] & (x_at + 16 < K // 2), other=0)
-    else:
-        xa, xb = tl.load(xw + x_at), tl.load(xw + x_at + 16)
+    xa = tl.load(xw + x_at, mask=ok[:, None] & (x_at < K // 2), other=0)
+    xb = tl.load(xw + x_at + 16, mask=ok[:, None] & (x_at + 16 < K // 2), other=0)
     return xa, xb
 
 
 @triton.jit
-def _frag_chunk(words, xa, xb, sw, sum_g, sum_h, NO_ASM: tl.constexpr, FORMAT: tl.constexpr,
-                SCALED_X: tl.constexpr = False):  # fmt: skip
+def _frag_chunk(words, xa, xb, sw, sum_g, sum_h, NO_ASM: tl.constexpr, FORMAT: tl.constexpr):
     w0, w1, w2, w3 = _quad(words)
     x0, x1, x2, x3 = _quad(xa)
     x4, x5, x6, x7 = _quad(xb)
     if FORMAT == 0:
         if NO_ASM:
             sum_g, sum_h = mxfp4_chunk_sums(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, sw,
-                                            sum_g, sum_h, SCALED_X)  # fmt: skip
+                                            sum_g, sum_h)  # fmt: skip
         else:
             sum_g, sum_h = tl.inline_asm_elementwise(
-                MXFP4_SCALED_X_CHUNK_ASM if SCALED_X else MXFP4_CHUNK_ASM,
-                "=f,=f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                MXFP4_CHUNK_ASM, "=f,=f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r",
                 [sum_g, sum_h, w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, sw],
                 dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
             )  # fmt: skip
@@ -239,8 +198,8 @@ def _tiles_load(w_ptr, s_ptr, first, c, lane, NT: tl.constexpr, KC: tl.constexpr
     words, params = (), ()
     for j in tl.static_range(TPW):
         tile = first + j
-        w, p = _weight_load(w_ptr, s_ptr, tile.to(tl.int64), c, lane, KC, 1, GC, NG, True,
-                            tile < NT)  # fmt: skip
+        w, p = _weight_load(w_ptr, s_ptr, tile.to(tl.int64), (tile < NT) & (c < KC), c, lane,
+                            KC, 1, GC, NG)  # fmt: skip
         words, params = words + (w,), params + (p,)
     return words, params
 
@@ -258,7 +217,7 @@ def _rows_chunk(words, params, xw, x_rows, ok, c, lane, sums, K: tl.constexpr,
                 acc = acc + (sums[4 * TPW * r + i],)
             for n in tl.static_range(8):
                 xa, xb = _x_load(xw + (8 * r + n) * (K // 2), ok & (8 * r + n < x_rows), c,
-                                 lane, K, True)  # fmt: skip
+                                 lane, K)  # fmt: skip
                 x0, x1, x2, x3 = _quad(xa)
                 x4, x5, x6, x7 = _quad(xb)
                 step = ()
@@ -290,7 +249,7 @@ def _rows_chunk(words, params, xw, x_rows, ok, c, lane, sums, K: tl.constexpr,
         scale = scale + (pw,)
     for r in tl.static_range(GROUPS):
         row = (8 * r + lane // 4).to(tl.int64)
-        xa, xb = _x_load(xw + (row * (K // 2))[:, None], ok & (row < x_rows), c, lane, K, True)
+        xa, xb = _x_load(xw + (row * (K // 2))[:, None], ok & (row < x_rows), c, lane, K)
         x0, x1, x2, x3 = _quad(xa)
         x4, x5, x6, x7 = _quad(xb)
         for j in tl.static_range(TPW):

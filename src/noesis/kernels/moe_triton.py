@@ -57,10 +57,6 @@ SORTED = Tiles(64, 64, 4)
 # tile's chunks, chunks of 64 columns a warp's iteration) for gate_up and down; the best of
 # `benchmarks/mxfp4_fragments.py --tiles` on the H200 (RESULTS.md, seventeenth session).
 FRAG_TILES = ((1, 4, 2), (1, 4, 2))
-# gate_up stores act x 2^100 for down's SCALED_X (no scaling of x a chunk), and down reads its
-# expert ids and first weights before PDL's wait (EARLY).
-FRAG_SCALED_ACT = True
-FRAG_EARLY = True
 # The sorted layout over fragments: tiles of 16 rows a program for gate_up (8 columns of gate
 # and of up each) and down.
 FRAG_SORTED_TILES = (8, 4)
@@ -189,16 +185,14 @@ def _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
         x, ids, gate_up.words, gate_up.scales, _or(gate_up_bias, x), act, glu["limit"],
         glu["alpha"], TOP_K=top_k, H=hidden, I=inner, NT=gate_up.tiles, KC=gate_up.chunks,
         HAS_BIAS=gate_up_bias is not None, CLAMP=glu["CLAMP"], WARPS=tiles, KSPLIT=split,
-        CH=chunks, NO_ASM=no_asm, SCALED_ACT=FRAG_SCALED_ACT, num_warps=tiles * split,
-        **pdl.pdl_launch(x),
+        CH=chunks, NO_ASM=no_asm, num_warps=tiles * split, **pdl.pdl_launch(x),
     )  # fmt: skip
     tiles, split, chunks = FRAG_TILES[1]
     partial = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _frag_down[(tokens * top_k, triton.cdiv(down.tiles, tiles))](
         act, ids, weights, down.words, down.scales, _or(down_bias, x), partial, H=hidden,
         I=inner, NT=down.tiles, KC=down.chunks, HAS_BIAS=down_bias is not None, WARPS=tiles,
-        KSPLIT=split, CH=chunks, NO_ASM=no_asm, EARLY=FRAG_EARLY, SCALED_X=FRAG_SCALED_ACT,
-        num_warps=tiles * split, **pdl.pdl_launch(x),
+        KSPLIT=split, CH=chunks, NO_ASM=no_asm, num_warps=tiles * split, **pdl.pdl_launch(x),
     )  # fmt: skip
     return partial
 
@@ -402,14 +396,12 @@ def _frag_gate_up(
     x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, limit, alpha,
     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr,
-    CH: tl.constexpr, NO_ASM: tl.constexpr, PDL: tl.constexpr, SCALED_ACT: tl.constexpr,
+    CH: tl.constexpr, NO_ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[p, cols] = glu(x[p // k] @ gate_up[ids[p]].T) over fragment-layout weights, WARPS
-    tiles a program, whose rows g and g + 8 are gate and up of column 8T + g; SCALED_ACT
-    stores act x 2^100 (mxfp4_mma.X_SCALE, exact), as _frag_down's SCALED_X reads it."""
+    tiles a program, whose rows g and g + 8 are gate and up of column 8T + g."""
     pair, expert, tile0, gate, up = _pair_frag_gemv(x_ptr, TOP_K, ids_ptr, w_ptr, s_ptr, NT, KC,
-                                                    H, WARPS, KSPLIT, CH, NO_ASM, PDL, False,
-                                                    False)  # fmt: skip
+                                                    H, WARPS, KSPLIT, CH, NO_ASM, PDL)  # fmt: skip
     m = tl.arange(0, WARPS * 32)
     cols = (tile0 + m // 32) * 8 + (m % 32) // 4
     ok = (m % 4 == 0) & (cols < I)
@@ -418,10 +410,7 @@ def _frag_gate_up(
         up += tl.load(bias_ptr + expert * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
     dtype = act_ptr.dtype.element_ty
     hidden = _glu(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), limit, alpha, CLAMP)
-    hidden = hidden.to(dtype)
-    if SCALED_ACT:
-        hidden = (hidden.to(tl.float32) * 1.2676506002282294e30).to(dtype)  # 2^100
-    tl.store(act_ptr + pair.to(tl.int64) * I + cols, hidden, mask=ok)
+    tl.store(act_ptr + pair.to(tl.int64) * I + cols, hidden.to(dtype), mask=ok)
 
 
 @triton.jit
@@ -429,14 +418,12 @@ def _frag_down(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
     H: tl.constexpr, I: tl.constexpr, NT: tl.constexpr, KC: tl.constexpr,
     HAS_BIAS: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr, CH: tl.constexpr,
-    NO_ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, SCALED_X: tl.constexpr,
+    NO_ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[p, rows] = weight[p] * (act[p] @ down[ids[p]].T) in float32 over fragment-layout
-    weights (_sum_slots_kernel adds a token's k pairs). EARLY (with PDL): the expert ids, from
-    two kernels back, and the first weights are read before PDL's wait."""
+    weights (_sum_slots_kernel adds a token's k pairs)."""
     pair, expert, tile0, y_g, y_h = _pair_frag_gemv(act_ptr, 1, ids_ptr, w_ptr, s_ptr, NT, KC, I,
-                                                    WARPS, KSPLIT, CH, NO_ASM, PDL, EARLY,
-                                                    SCALED_X)  # fmt: skip
+                                                    WARPS, KSPLIT, CH, NO_ASM, PDL)  # fmt: skip
     m = tl.arange(0, WARPS * 32)
     rows = (tile0 + m // 32) * 16 + (m % 32) // 4
     weight = tl.load(weights_ptr + pair).to(tl.float32)
@@ -450,21 +437,17 @@ def _frag_down(
 @triton.jit
 def _pair_frag_gemv(x_ptr, PAIRS_A_ROW: tl.constexpr, ids_ptr, w_ptr, s_ptr, NT: tl.constexpr,
                     KC: tl.constexpr, K: tl.constexpr, WARPS: tl.constexpr, KSPLIT: tl.constexpr,
-                    CH: tl.constexpr, NO_ASM: tl.constexpr, PDL: tl.constexpr,
-                    EARLY: tl.constexpr, SCALED_X: tl.constexpr):  # fmt: skip
+                    CH: tl.constexpr, NO_ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """The decode layout's program over fragments: its pair, expert and first tile, and
-    frag_gemv of x's row pair // PAIRS_A_ROW [K], between PDL's wait and release. EARLY: the
-    ids were written before the kernel before, so the wait comes after the first weights'
-    loads, inside frag_gemv."""
-    if PDL and not EARLY:
+    frag_gemv of x's row pair // PAIRS_A_ROW [K], between PDL's wait and release."""
+    if PDL:
         gdc_wait()  # the expert ids and x
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // PAIRS_A_ROW).to(tl.int64) * K
     tile0 = tl.program_id(1) * WARPS
     sums_g, sums_h = frag_gemv(x_row, w_ptr, s_ptr, expert, tile0, NT, KC, K, WARPS, KSPLIT, CH,
-                               NO_ASM, 0, 1, 1, PDL and EARLY,
-                               SCALED_X)  # fmt: skip  (FORMAT 0: MXFP4)
+                               NO_ASM, 0, 1, 1)  # fmt: skip  (FORMAT 0: MXFP4)
     if PDL:
         gdc_launch_dependents()
     return pair, expert, tile0, sums_g, sums_h

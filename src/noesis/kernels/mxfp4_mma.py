@@ -54,16 +54,12 @@ mul.lo.u32 p, {w}, 64; and.b32 a3, p, m;
 """
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{{{d}0, {d}1, {d}2, {d}3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n")  # fmt: skip
-
-
-def _chunk_asm(x_scaled: str) -> tl.constexpr:
-    """The chunk's assembly; x_scaled: how x's pair register i ($8 + i) becomes x{i} x 2^100."""
-    return tl.constexpr(
+MXFP4_CHUNK_ASM = tl.constexpr(
     "{\n.reg .b32 s, z, m, ms, mm, p, q, a0, a1, a2, a3, x0, x1, x2, x3, x4, x5, x6, x7, f;\n"
     ".reg .f32 zf, d0, d1, d2, d3, e0, e1, e2, e3;\n"
     "mov.b32 s, 0x71807180; mov.b32 z, 0x80008000; mov.b32 m, 0x81C081C0;\n"
     "mov.b32 ms, 0x80008000; mov.b32 mm, 0x01C001C0; mov.f32 zf, 0f00000000;\n"
-    + "".join(x_scaled.format(i=i, r=8 + i) for i in range(8))
+    + "".join(f"fma.rn.bf16x2 x{i}, ${8 + i}, s, z;\n" for i in range(8))
     + _DECODE.format(w="$4") + _MMA.format(d="d", b0="x0", b1="x1", c="zf, zf, zf, zf")
     + _DECODE.format(w="$5") + _MMA.format(d="d", b0="x2", b1="x3", c="d0, d1, d2, d3")
     + _DECODE.format(w="$6") + _MMA.format(d="e", b0="x4", b1="x5", c="zf, zf, zf, zf")
@@ -72,39 +68,25 @@ def _chunk_asm(x_scaled: str) -> tl.constexpr:
     "mul.lo.u32 f, $16, 32768; and.b32 f, f, 0x7F800000; fma.rn.f32 $0, e0, f, $0;\n"
     "mul.lo.u32 f, $16, 128; and.b32 f, f, 0x7F800000; fma.rn.f32 $1, d2, f, $3;\n"
     "shr.b32 f, $16, 1; and.b32 f, f, 0x7F800000; fma.rn.f32 $1, e2, f, $1;\n}"
-    )
-
-
-MXFP4_CHUNK_ASM = _chunk_asm("fma.rn.bf16x2 x{i}, ${r}, s, z;\n")
-# The same for x whose producer already multiplied it by 2^100 (exact in bfloat16), as the
-# expert gate_up kernel stores its activations for down: eight instructions fewer a chunk.
-MXFP4_SCALED_X_CHUNK_ASM = _chunk_asm("mov.b32 x{i}, ${r};\n")
-X_SCALE = 2.0**100  # what a scaled x carries
+)
 
 
 @triton.jit
-def mxfp4_chunk_sums(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, sw, sum_g, sum_h,
-                     SCALED_X: tl.constexpr = False):  # fmt: skip
+def mxfp4_chunk_sums(w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7, sw, sum_g, sum_h):
     """`MXFP4_CHUNK_ASM`'s sums in float32 Triton operations (the interpreter, GPUs before sm_80):
-    word j's columns e meet x's pair (2 (j % 2) + e // 2) of run j // 2. SCALED_X: x carries
-    X_SCALE (`MXFP4_SCALED_X_CHUNK_ASM`'s input), taken off here."""
-    S: tl.constexpr = SCALED_X
-    s0, s1, s2, s3 = _scale(sw, 0), _scale(sw, 1), _scale(sw, 2), _scale(sw, 3)
-    sum_g += _word_dot(w0, x0, x1, 0, S) * s0 + _word_dot(w1, x2, x3, 0, S) * s0
-    sum_g += _word_dot(w2, x4, x5, 0, S) * s1 + _word_dot(w3, x6, x7, 0, S) * s1
-    sum_h += _word_dot(w0, x0, x1, 1, S) * s2 + _word_dot(w1, x2, x3, 1, S) * s2
-    sum_h += _word_dot(w2, x4, x5, 1, S) * s3 + _word_dot(w3, x6, x7, 1, S) * s3
+    word j's columns e meet x's pair (2 (j % 2) + e // 2) of run j // 2."""
+    sum_g += _word_dot(w0, x0, x1, 0) * _scale(sw, 0) + _word_dot(w1, x2, x3, 0) * _scale(sw, 0)
+    sum_g += _word_dot(w2, x4, x5, 0) * _scale(sw, 1) + _word_dot(w3, x6, x7, 0) * _scale(sw, 1)
+    sum_h += _word_dot(w0, x0, x1, 1) * _scale(sw, 2) + _word_dot(w1, x2, x3, 1) * _scale(sw, 2)
+    sum_h += _word_dot(w2, x4, x5, 1) * _scale(sw, 3) + _word_dot(w3, x6, x7, 1) * _scale(sw, 3)
     return sum_g, sum_h
 
 
 @triton.jit
-def _word_dot(word, x01, x23, H: tl.constexpr, SCALED_X: tl.constexpr):
-    """Row half H's four codes of a word times x's columns 0-3 (two bfloat16 pairs), x 2^-26
-    (x carrying X_SCALE or not: the same bits)."""
+def _word_dot(word, x01, x23, H: tl.constexpr):
+    """Row half H's four codes of a word times x's columns 0-3 (two bfloat16 pairs), x 2^-26."""
     total = _code(word, H, 0) * _lo(x01) + _code(word, H, 1) * _hi(x01)
     total += _code(word, H, 2) * _lo(x23) + _code(word, H, 3) * _hi(x23)
-    if SCALED_X:
-        return total * 1.925929944387236e-34  # 2^-112: the codes' 2^-14 and x's 2^100 -> 2^-26
     return total * (1.0 / 4096)  # the codes' 2^-14 -> 2^-26
 
 

@@ -637,10 +637,12 @@ def _int4_frag_gemv(
     PDL: tl.constexpr,
 ):  # fmt: skip
     """out[r, rows] = x[r] @ W[rows].T for WARPS tiles of 16 rows, rounded to out's dtype."""
+    if PDL:
+        gdc_wait()  # x
     r = tl.program_id(0).to(tl.int64)
     tile0 = tl.program_id(1) * WARPS
     sum_g, sum_h = frag_gemv(x_ptr + r * K, w_ptr, p_ptr, 0, tile0, NT, KC, K, WARPS, KSPLIT,
-                             CH, NO_ASM, FORMAT, GC, NG, PDL, False)  # fmt: skip
+                             CH, NO_ASM, FORMAT, GC, NG)  # fmt: skip
     if PDL:
         gdc_launch_dependents()
     m = tl.arange(0, WARPS * 32)
