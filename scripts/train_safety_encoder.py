@@ -796,11 +796,15 @@ def main() -> None:
     seconds = time.perf_counter() - start
     val_scores = text_scores(model, embedder, [t for t, _ in val_rows], args.max_tokens)
     val_threshold = best_threshold(val_scores, [y for _, y in val_rows])
+    val_harmful = [v for v, (_, y) in zip(val_scores, val_rows, strict=True) if y]
+    val_harmless = [v for v, (_, y) in zip(val_scores, val_rows, strict=True) if not y]
     table = measure(model, embedder, test_sets(real, args.seed), args, val_threshold)
     summary = {"command": "python scripts/train_safety_encoder.py " + " ".join(sys.argv[1:]),
                "train_examples": len(train_rows), "near_harmbench_dropped": len(near),
                "train_seconds": round(seconds, 1), "final_loss": sum(losses[-50:]) / 50,
-               "threshold": args.threshold, "val_threshold": val_threshold, "tests": table}
+               "threshold": args.threshold, "val_threshold": val_threshold,
+               "val_recall": flagged(val_harmful, val_threshold),
+               "val_false_alarms": flagged(val_harmless, val_threshold), "tests": table}
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "results.md").write_text(markdown(summary))
     if args.save:
@@ -824,8 +828,8 @@ def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, a
            check_texts: list[str], threshold: float) -> dict:
     """The classifier as noesis.sidecars.encoder_classifier loads it: MiniLM's config (plus
     the "classifier" table, `threshold` its recommended one: the validation split's choice),
-    tokenizer and mean pooling (no Normalize: the head reads the pooled states as trained),
-    the encoder's parameters in float16 and the head in float32.
+    tokenizer, mean pooling (no Normalize: the head reads the pooled states as trained), the
+    encoder's parameters in float16 and the head in float32.
     Returns the largest difference of p(unsafe) between the exported classifier and the
     trained one over `check_texts` (the validation split), and the size written."""
     import shutil
@@ -836,13 +840,10 @@ def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, a
 
     base = minilm_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    # No modules.json or 1_Pooling/: mean pooling without Normalize is the reader's default
+    # (noesis.sidecars.embedder.read_pooling), and a flat folder is what the wheel packs.
     for name in TOKENIZER_FILES:
         shutil.copy(base / name, folder / name)
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    shutil.copy(base / "1_Pooling" / "config.json", folder / "1_Pooling" / "config.json")
-    modules = [m for m in json.loads((base / "modules.json").read_text())
-               if not m["type"].endswith(".Normalize")]
-    (folder / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     config = json.loads((base / "config.json").read_text())
     config["classifier"] = {"labels": ["safe", "unsafe"], "max_tokens": args.max_tokens,
                             "threshold": threshold}
@@ -979,6 +980,9 @@ def markdown(s: dict) -> str:
         fmt = (lambda x: f"{x:.3f}") if row["unsafe"] else (lambda x: f"{100 * x:.1f}%")
         lines.append(f"| {row['set']}, {kind} | {row['count']} | {fmt(row['flagged'])} | "
                      f"{fmt(row['flagged_at_val_threshold'])} | {row['bar']} |")
+    if "val_recall" in s:  # recorded since the twenty-second session
+        lines.append(f"\nValidation split at {v}: recall {s['val_recall']:.3f}, false alarms "
+                     f"{100 * s['val_false_alarms']:.1f}%.")
     return "\n".join(lines) + (f"\n\n{s['train_examples']} training texts, "
                                f"{s['train_seconds']} s; `{s['command']}`\n")
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from noesis.errors import CheckpointError
 from noesis.sidecars.encoder_classifier import EncoderClassifier, is_encoder_classifier
-from noesis.sidecars.runtime import Window
+from noesis.sidecars.runtime import Placement, Window
 from noesis.sidecars.safety import SafetySidecar
 
 LABELS = ["safe", "unsafe"]
@@ -84,6 +84,19 @@ def test_the_safety_sidecar_loads_it_and_blocks_past_its_threshold(tmp_path):
         verdict = sidecar.run(window)
         assert verdict.clause == text and abs(verdict.p_unsafe - p_unsafe) < 1e-6
         assert sidecar.decide(verdict) == decision
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_safety_sidecar_runs_the_encoder_where_its_placement_says(tmp_path, device):
+    """`[sidecars.safety] device = "cuda"` puts the encoder on the GPU (its worker's calls go
+    under a low-priority stream), with the CPU's probabilities."""
+    path = classifier_dir(tmp_path / "clf")
+    text = "the quick brown fox jumps over the lazy dogs."
+    sidecar = SafetySidecar.load(path, placement=Placement(device))
+    assert sidecar.classifier.encoder.device.type == device
+    expected = EncoderClassifier(path).probabilities([text])[0, 1]
+    verdict = sidecar.run(Window("r", text, text, False, 0))
+    assert abs(verdict.p_unsafe - float(expected)) < 1e-4
 
 
 def test_malformed_classifier_folders_are_refused(tmp_path):

@@ -72,10 +72,11 @@ class SafetySidecar:
 
     @classmethod
     def load(cls, path: str | Path, **options) -> SafetySidecar:
-        """An encoder classifier's directory (config.json with a "classifier" table) or a
-        router's."""
-        classifier = (EncoderClassifier(path) if is_encoder_classifier(path)
-                      else Router.load(path))
+        """An encoder classifier's directory (config.json with a "classifier" table), loaded
+        on the placement's device, or a router's (CPU)."""
+        placement = options.get("placement")
+        classifier = (EncoderClassifier(path, device=placement.device if placement else "cpu")
+                      if is_encoder_classifier(path) else Router.load(path))
         return cls(classifier, **options)
 
     def run(self, window: Window) -> Verdict | None:
