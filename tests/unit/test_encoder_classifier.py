@@ -99,6 +99,19 @@ def test_the_safety_sidecar_runs_the_encoder_where_its_placement_says(tmp_path, 
     assert abs(verdict.p_unsafe - float(expected)) < 1e-4
 
 
+def test_the_safety_sidecar_scores_a_batch_of_windows_as_one_by_one(tmp_path):
+    sidecar = SafetySidecar.load(classifier_dir(tmp_path / "clf"), threshold=0.5)
+    texts = ["the quick brown fox. jumps over the lazy dogs.", "", "hello world, blue fox."]
+    windows = [Window("r", t, t, False, 0) for t in texts]
+    batch = sidecar.run_batch(windows)
+    assert batch[1] is None  # no text: nothing to score
+    for verdict, window in zip(batch, windows, strict=True):
+        alone = sidecar.run(window)
+        assert (verdict is None) == (alone is None)
+        if alone is not None:  # padded beside longer texts: the same scores
+            assert verdict.clause == alone.clause and abs(verdict.p_unsafe - alone.p_unsafe) < 1e-5
+
+
 def test_malformed_classifier_folders_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="head"):
         EncoderClassifier(classifier_dir(tmp_path / "no-head", head=False))

@@ -142,16 +142,17 @@ def test_sidecar_config(tmp_path):
     assert load_sidecars(safety=False).sidecars == ()
     file = tmp_path / "sidecars.toml"
     file.write_text('[sidecars.safety]\nthreshold = 0.9\npolicy = "closed"\ncadence = "tokens"\n'
-                    "every = 4\nworkers = 2\n")
+                    "every = 4\nworkers = 2\nbatch = 3\n")
     (spec,) = load_sidecars(file).sidecars
-    assert (spec.threshold, spec.policy, spec.cadence.every, spec.placement.workers) == (
-        0.9, "closed", 4, 2)
-    assert "fails closed" in spec.describe()
+    assert (spec.threshold, spec.policy, spec.cadence.every, spec.placement.workers,
+            spec.placement.batch) == (0.9, "closed", 4, 2, 3)
+    assert "fails closed" in spec.describe() and "batch 3" in spec.describe()
     assert load_sidecars(file, safety=False).sidecars == ()
     file.write_text("[sidecars.safety]\nenabled = false\n")
     assert load_sidecars(file).sidecars == ()
     for bad, message in [("threshold = 2", "threshold"), ("colour = 1", "unknown keys"),
-                         ('cadence = "sometimes"', "cadence"), ('kind = "oracle"', "kind")]:
+                         ('cadence = "sometimes"', "cadence"), ('kind = "oracle"', "kind"),
+                         ("batch = 0", "batch")]:
         file.write_text(f"[sidecars.safety]\n{bad}\n")
         with pytest.raises(ConfigError, match=message):
             load_sidecars(file)

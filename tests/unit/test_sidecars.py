@@ -13,7 +13,7 @@ from noesis import LLM, SamplingParams
 from noesis.session import Session
 from noesis.sidecars.embedder import SentenceEmbedder
 from noesis.sidecars.memory import Memory, MemorySidecar
-from noesis.sidecars.runtime import Cadence, Placement, SidecarRuntime, _window_end
+from noesis.sidecars.runtime import Cadence, Placement, SidecarRuntime, Window, _window_end
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPT = [0, 9, 8, 7]
@@ -115,6 +115,51 @@ def test_failing_sidecar_is_counted_by_policy(llm, policy, decision):
     stats = runtime.stats()["probe"]
     assert stats["errors"] == 1 and stats["windows"] == 1 and stats["drops"] == 0
     assert probe.windows[0].final and probe.windows[0].text == probe.windows[0].context
+
+
+class Batcher(Probe):
+    """A Probe that takes windows in batches (run_batch), recording each call's windows."""
+
+    def __init__(self, batch: int, **options) -> None:
+        super().__init__(**options)
+        self.placement = Placement(queue_size=8, batch=batch)
+        self.batches: list[list] = []
+
+    def run_batch(self, windows):
+        self.started.set()
+        self.release.wait(10)
+        self.batches.append(list(windows))
+        if self.fail:
+            raise RuntimeError("probe failed")
+        return [len(w.text) for w in windows]
+
+
+def _batched_run(probe: Batcher, count: int):
+    """`count` windows offered while the worker holds the first: the results and stats."""
+    runtime = SidecarRuntime([probe])
+    lane = runtime.lanes["probe"]
+    texts = ["x" * n for n in range(1, count + 1)]
+    lane.offer(Window("r", texts[0], texts[0], False))
+    assert probe.started.wait(10)  # the worker took the first window alone
+    for text in texts[1:]:
+        lane.offer(Window("r", text, text, False))
+    probe.release.set()
+    runtime.close()
+    lane.threads[0].join(10)
+    return runtime.after_step([]), runtime.stats()["probe"]
+
+
+def test_batched_sidecar_takes_the_queued_windows_in_one_call():
+    probe = Batcher(batch=3)
+    results, stats = _batched_run(probe, 5)
+    assert [len(b) for b in probe.batches] == [1, 3, 1]  # the rest queued: up to 3 a call
+    assert [r.value for r in results] == [1, 2, 3, 4, 5]  # in order, one value each
+    assert stats["calls"] == 3 and stats["completed"] == 5 and stats["windows"] == 5
+    failing = Batcher(batch=8, fail=True)
+    results, stats = _batched_run(failing, 4)
+    assert [len(b) for b in failing.batches] == [1, 3]
+    assert all("probe failed" in r.error and r.decision is None for r in results)
+    assert stats["errors"] == 4 and stats["calls"] == 2
 
 
 def test_cadence_windows():

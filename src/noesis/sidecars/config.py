@@ -39,7 +39,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "contradiction": {"model": "noesis-contradiction", "threshold": 0.5, "cadence": "clause"},
 }
 COMMON = {"kind": None, "enabled": True, "model": None, "cadence": "request", "every": 16,
-          "device": "cpu", "workers": 1, "queue_size": 8, "policy": "open", "threshold": 0.5}
+          "device": "cpu", "workers": 1, "queue_size": 8, "batch": 8, "policy": "open",
+          "threshold": 0.5}
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class SidecarSpec:
                                        if self.cadence.kind == "tokens" else "")
         place = self.placement
         return (f"{self.name}: {self.kind}, model {self.model}; {place.device}, "
-                f"{place.workers} worker(s), queue {place.queue_size}; cadence {cadence}; "
+                f"{place.workers} worker(s), queue {place.queue_size}, batch {place.batch}; "
+                f"cadence {cadence}; "
                 f"fails {self.policy}; threshold "
                 f"{'the model' + chr(39) + 's' if self.threshold is None else self.threshold}")
 
@@ -131,7 +133,8 @@ def _spec(name: str, table: dict[str, Any]) -> SidecarSpec | None:
         raise ConfigError(f"sidecars.{name}.threshold must be in (0, 1], got {threshold!r}")
     try:
         cadence = Cadence(options["cadence"], options["every"])
-        placement = Placement(options["device"], options["workers"], options["queue_size"])
+        placement = Placement(options["device"], options["workers"], options["queue_size"],
+                              options["batch"])
     except (TypeError, ConfigError) as exc:
         raise ConfigError(f"sidecars.{name}: {exc}") from exc
     return SidecarSpec(name, kind, _model_dir(name, options["model"]), cadence, placement,

@@ -40,12 +40,15 @@ class Placement:
     device: str = "cpu"  # "cpu": worker threads; "cuda": the same, under a low-priority stream
     workers: int = 1
     queue_size: int = 8  # windows waiting; one more is dropped
+    # windows a worker takes from the queue at once, for a sidecar with `run_batch` (one
+    # model call over all of them); 1: one window a call
+    batch: int = 8
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"sidecar device must be cpu or cuda, got {self.device!r}")
-        if self.workers < 1 or self.queue_size < 1:
-            raise ConfigError("sidecar workers and queue_size must be at least 1")
+        if self.workers < 1 or self.queue_size < 1 or self.batch < 1:
+            raise ConfigError("sidecar workers, queue_size and batch must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -104,14 +107,18 @@ class Sidecar(Protocol):
 
     def decide(self, value: Any) -> str | None: ...
 
+    # Optional: `run_batch(windows) -> list` (one value per window, as `run` would give it), which
+    # the worker calls with every window queued, up to the placement's `batch`.
+
 
 @dataclass(slots=True)
 class SidecarStats:
     windows: int = 0
     drops: int = 0
     errors: int = 0
-    latency_s: float = 0.0  # summed over completed calls
-    completed: int = 0
+    latency_s: float = 0.0  # summed over completed windows (each its call's seconds)
+    completed: int = 0  # windows
+    calls: int = 0  # the sidecar's calls (run, or run_batch over several windows)
     decisions: Counter = field(default_factory=Counter)
     # completed calls per LATENCY_BOUNDS bucket (a last one for slower calls)
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS) + 1))
@@ -123,7 +130,7 @@ class SidecarStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"windows": self.windows, "drops": self.drops, "errors": self.errors,
-                "completed": self.completed, "latency_s": self.latency_s,
+                "completed": self.completed, "calls": self.calls, "latency_s": self.latency_s,
                 "latency_bounds": LATENCY_BOUNDS, "latency_counts": list(self.latency_counts),
                 "decisions": dict(self.decisions)}
 
@@ -160,18 +167,44 @@ class _Lane:
         return False
 
     def _work(self) -> None:
+        batched = hasattr(self.sidecar, "run_batch")
+        most = self.sidecar.placement.batch if batched else 1
         with _placed(self.sidecar.placement):
             while (window := self.queue.get()) is not None:
-                self._finish(window, *self._call(window))
+                windows = [window]
+                while len(windows) < most:  # what else is waiting, without waiting for more
+                    try:
+                        more = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        self.queue.put(None)  # the stop mark, for after this batch
+                        break
+                    windows.append(more)
+                values, error, latency = self._call(windows, batched)
+                with self._lock:
+                    self.stats.calls += 1
+                for window, value in zip(windows, values, strict=True):
+                    self._finish(window, value, error, latency)
 
-    def _call(self, window: Window) -> tuple[Any, str | None, float]:
+    def _call(self, windows: list[Window], batched: bool
+              ) -> tuple[list[Any], str | None, float]:  # fmt: skip
+        """The sidecar's values for `windows` (its run_batch, else run on the one window), the
+        error that stopped it, and the call's seconds (each window waited that long)."""
         start = time.perf_counter()
         try:
-            value = self.sidecar.run(window)
+            if batched:
+                values = list(self.sidecar.run_batch(windows))
+                if len(values) != len(windows):
+                    raise ValueError(f"run_batch gave {len(values)} values for "
+                                     f"{len(windows)} windows")
+            else:
+                values = [self.sidecar.run(windows[0])]
         except Exception as exc:  # a failing sidecar is counted, never raised into the engine
             log.warning("sidecar %s failed: %r", self.sidecar.name, exc)
-            return None, f"{type(exc).__name__}: {exc}", time.perf_counter() - start
-        return value, None, time.perf_counter() - start
+            return ([None] * len(windows), f"{type(exc).__name__}: {exc}",
+                    time.perf_counter() - start)
+        return values, None, time.perf_counter() - start
 
     def _finish(self, window: Window, value: Any, error: str | None, latency: float) -> None:
         sidecar = self.sidecar

@@ -81,19 +81,34 @@ class SafetySidecar:
 
     def run(self, window: Window) -> Verdict | None:
         """The most unsafe of the window's clauses (None: no final-channel text in it)."""
-        end = window.start + len(window.text)
-        before = final_channel(window.context[: window.start])
-        after = final_channel(window.context[:end])
-        new = after[len(before):] if after.startswith(before) else after
-        clauses = split_clauses(new)
-        if not clauses:
-            return None
-        scores = self.classifier.probabilities(clauses)[:, self.unsafe_index]  # [N]
-        best = int(scores.argmax())
-        return Verdict(float(scores[best]), clauses[best])
+        return self.run_batch([window])[0]
+
+    def run_batch(self, windows: list[Window]) -> list[Verdict | None]:
+        """`run` of each window, their clauses scored in one classifier call."""
+        clauses = [split_clauses(_new_final_text(w)) for w in windows]
+        flat = [c for cs in clauses for c in cs]
+        if not flat:
+            return [None] * len(windows)
+        scores = self.classifier.probabilities(flat)[:, self.unsafe_index]  # [N]
+        verdicts, at = [], 0
+        for cs in clauses:
+            if not cs:
+                verdicts.append(None)
+                continue
+            best = at + int(scores[at: at + len(cs)].argmax())
+            verdicts.append(Verdict(float(scores[best]), flat[best]))
+            at += len(cs)
+        return verdicts
 
     def decide(self, verdict: Verdict | None) -> str | None:
         return "block" if verdict is not None and verdict.p_unsafe >= self.threshold else None
+
+
+def _new_final_text(window: Window) -> str:
+    """The final-channel text the window adds to its context."""
+    before = final_channel(window.context[: window.start])
+    after = final_channel(window.context[: window.start + len(window.text)])
+    return after[len(before):] if after.startswith(before) else after
 
 
 def split_clauses(text: str) -> list[str]:
