@@ -190,3 +190,19 @@ def test_memory_sidecar_feeds_session_recall(llm, tmp_path):
         assert text == out.text and score == pytest.approx(1.0, abs=1e-5)
     assert runtime.stats()["memory"]["decisions"] == {"stored": 2}
     assert Session(llm).recall("anything") == []
+
+
+def test_memory_sidecar_embeds_a_batch_as_one_by_one(tmp_path):
+    embedder = SentenceEmbedder(build_sentence_bert(tmp_path / "bert"))
+    texts = ["Hello world", "   ", "The quick brown fox jumps over the lazy dog"]
+    windows = [Window("r", t, t, True) for t in texts]
+    batched, alone = Memory(embedder), Memory(embedder)
+    assert MemorySidecar(batched).run_batch(windows) == [True, False, True]  # blank: not kept
+    for window in windows:
+        MemorySidecar(alone).run(window)
+    assert len(batched) == len(alone) == 2
+    for text in (texts[0], texts[2]):  # padded beside the longer text: the same vectors
+        (best, score), _ = batched.recall(text, k=2)
+        assert best == text and score == pytest.approx(1.0, abs=1e-5)
+        assert alone.recall(text, k=2)[1][1] == pytest.approx(batched.recall(text, k=2)[1][1],
+                                                              abs=1e-5)

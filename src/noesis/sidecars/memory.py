@@ -25,10 +25,16 @@ class Memory:
 
     def add(self, text: str) -> None:
         """Embed `text` (truncated to the embedder's length) and keep it."""
-        vector = self._embed(text)
+        self.add_many([text])
+
+    def add_many(self, texts: list[str]) -> None:
+        """`add` of each text, embedded in one batch."""
+        if not texts:
+            return
+        vectors = self._embed_many(texts)
         with self._lock:
-            self._texts.append(text)
-            self._vectors.append(vector)
+            self._texts.extend(texts)
+            self._vectors.extend(vectors)
 
     def recall(self, query: str, k: int = 3) -> list[tuple[str, float]]:
         """The `k` kept texts most like `query`: (text, cosine similarity), best first."""
@@ -41,8 +47,11 @@ class Memory:
         return [(texts[i], float(s)) for s, i in zip(top.values, top.indices.tolist(), strict=True)]
 
     def _embed(self, text: str) -> torch.Tensor:
-        ids = self.embedder.tokenize(text, truncate=True)
-        return torch.nn.functional.normalize(self.embedder.embed([ids])[0], dim=-1)
+        return self._embed_many([text])[0]
+
+    def _embed_many(self, texts: list[str]) -> torch.Tensor:
+        ids = [self.embedder.tokenize(text, truncate=True) for text in texts]
+        return torch.nn.functional.normalize(self.embedder.embed(ids), dim=-1)  # [N, D]
 
 
 class MemorySidecar:
@@ -59,10 +68,13 @@ class MemorySidecar:
 
     def run(self, window: Window) -> bool:
         """Whether the window's text was kept (an empty one is not)."""
-        if not window.context.strip():
-            return False
-        self.memory.add(window.context)
-        return True
+        return self.run_batch([window])[0]
+
+    def run_batch(self, windows: list[Window]) -> list[bool]:
+        """`run` of each window, the kept texts embedded in one batch."""
+        kept = [bool(window.context.strip()) for window in windows]
+        self.memory.add_many([w.context for w, keep in zip(windows, kept, strict=True) if keep])
+        return kept
 
     def decide(self, stored: bool) -> str | None:
         return "stored" if stored else None
