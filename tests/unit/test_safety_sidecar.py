@@ -196,6 +196,7 @@ def test_fail_closed_drop_blocks_and_metrics_show_it():
     assert [r.decision for r in results] == ["block"] and "dropped" in results[0].reason
     families = {f.name: f for f in _sidecar_metrics(runtime.stats())}
     assert families["noesis_sidecar_drops"].samples[0].value == 1
+    assert families["noesis_sidecar_calls"].samples[0].value == 2  # Slow has no run_batch
     decisions = families["noesis_sidecar_decisions"].samples
     assert [(s.labels, s.value) for s in decisions] == [
         ({"sidecar": "slow", "decision": "block"}, 1)]

@@ -233,14 +233,16 @@ def _spec_channel_metrics(channels: dict[str, dict[str, int]]):
 
 
 def _sidecar_metrics(sidecars: dict[str, dict]):
-    """Per sidecar (label `sidecar`): call latency, windows offered, dropped and failed, and
-    decisions taken (label `decision`)."""
+    """Per sidecar (label `sidecar`): each window's wait for its call, windows offered, dropped
+    and failed, calls (a batched sidecar scores several windows a call), and decisions taken
+    (label `decision`)."""
     latency = HistogramMetricFamily("noesis_sidecar_latency_seconds",
-                                    "Seconds per sidecar call", labels=["sidecar"])
+                                    "Seconds a window's sidecar call took", labels=["sidecar"])
     counters = {key: CounterMetricFamily(f"noesis_sidecar_{key}", doc, labels=["sidecar"])
                 for key, doc in (("windows", "Text windows offered to a sidecar"),
                                  ("drops", "Windows dropped: the sidecar's queue was full"),
-                                 ("errors", "Sidecar calls that raised"))}
+                                 ("errors", "Windows whose sidecar call raised"),
+                                 ("calls", "Sidecar calls (one may score several windows)"))}
     decisions = CounterMetricFamily("noesis_sidecar_decisions",
                                     "Sidecar decisions (block: the request ended with "
                                     "content_filter)", labels=["sidecar", "decision"])
