@@ -57,6 +57,10 @@ class Tokenizer:
             backend = HFTokenizer.from_str(text)
         except Exception as exc:  # the Rust side raises a bare Exception
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        # A tokenizer.json may carry its trainer's batch settings (all-MiniLM-L6-v2's pads every
+        # text to 128 ids and cuts it there): ids here are one text's own, whole.
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(model_dir / "tokenizer_config.json", TOKENIZER_MAX_BYTES)
         template_file = model_dir / "chat_template.jinja"
         if template_file.exists():  # _chat_template reads it whole: no pipe, no huge file

@@ -121,6 +121,32 @@ def test_bert_matches_transformers(bert_dir, tmp_path, pooling, normalize):
     assert embedder.pooling.mode == pooling and embedder.pooling.normalize == normalize
 
 
+def test_tokenizer_json_batch_settings_are_ignored(bert_dir, tmp_path):
+    """all-MiniLM-L6-v2's tokenizer.json pads every text to 128 ids and truncates there: the
+    embedder (and every noesis tokenizer) takes each text's own ids, whole, so the pads never
+    reach mean pooling and a long text is refused or cut by the embedder's own limit."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    batched = tmp_path / "batched"
+    shutil.copytree(bert_dir, batched)
+    tokenizer = Tokenizer.from_file(str(batched / "tokenizer.json"))
+    tokenizer.enable_padding(length=10, pad_id=0, pad_token="[PAD]")
+    tokenizer.enable_truncation(max_length=10)
+    tokenizer.save(str(batched / "tokenizer.json"))
+    assert len(tokenizer.encode("blue").ids) == 10  # what the file alone would give
+    texts = ["the quick brown fox", "blue"]
+    plain, padded = SentenceEmbedder(bert_dir), SentenceEmbedder(batched)
+    assert padded.tokenize("blue") == plain.tokenize("blue") and len(plain.tokenize("blue")) == 3
+    torch.testing.assert_close(padded.embed(texts), bert_reference(bert_dir, texts, "mean", True),
+                               atol=1e-5, rtol=0)
+    long = " ".join(["fox"] * 11)  # 13 ids: past the file's 10 and the embedder's 12
+    with pytest.raises(PromptTooLong):
+        padded.tokenize(long)
+    assert len(padded.tokenize(long, truncate=True)) == 12
+
+
 def test_bert_limits_and_strict_loading(bert_dir, tmp_path):
     embedder = SentenceEmbedder(bert_dir)
     long_text = " ".join(["fox"] * 20)  # 22 tokens with [CLS] and [SEP]; max_seq_length 12
