@@ -87,7 +87,10 @@ class HarmonyEncoding:
         path = path / "tokenizer.json" if path.is_dir() else path
         if not path.is_file():
             raise UnsupportedTokenizer(f"{path} does not exist")
-        return cls.from_tokenizer(Tokenizer.from_file(str(path)), layout)
+        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer.no_padding()  # a file's batch settings: ids are each text's own, whole
+        tokenizer.no_truncation()
+        return cls.from_tokenizer(tokenizer, layout)
 
     # ------------------------------------------------------------ tokens
 
