@@ -750,7 +750,7 @@ def flagged(values: list[float], threshold: float) -> float:
 def best_threshold(values: list[float], labels: list[int]) -> float:
     """The validation threshold with the most recall at <= 1% false alarms (else the one
     with the fewest false alarms)."""
-    grid = [0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 0.995]
+    grid = [0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 0.995, 0.997, 0.998, 0.999]
     pos = [v for v, y in zip(values, labels, strict=True) if y]
     neg = [v for v, y in zip(values, labels, strict=True) if not y]
     ok = [t for t in grid if flagged(neg, t) <= 0.01]
