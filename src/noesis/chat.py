@@ -71,7 +71,9 @@ def reply(
     history += [
         {k: v for k, v in m.items() if k != "thinking"} for m in response.messages[len(history) :]
     ]
-    if response.stop_reason == STOP_MAX_TOOL_ROUNDS:
+    if response.finish_reason == "content_filter":  # a safety sidecar (--sidecars, --safety)
+        display.line("stopped", "the safety sidecar ended the answer")
+    elif response.stop_reason == STOP_MAX_TOOL_ROUNDS:
         display.line("stopped", f"{max_steps} generations without a final answer")
     elif response.stop_reason != STOP_FINAL:
         display.line("stopped", "no final answer in the model's output")

@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_trace_args(chat)
     _add_template_args(chat)
     _add_control_args(chat)
+    _add_sidecar_args(chat)
     chat.set_defaults(handler=_chat)
 
     info = sub.add_parser("info", help="architecture, parameter count, dtype and memory")
@@ -471,6 +472,8 @@ def _load(args: argparse.Namespace):
     options.update(_recording(args))
     options.update(_template_options(args))
     options.update(_control_options(args))
+    if getattr(args, "sidecars", None) is not None or getattr(args, "safety", None):
+        options["sidecars"] = _sidecars(args)  # chat: sidecars only when asked for
     return LLM(_model_arg(args), **options)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -131,6 +131,7 @@ class LLM:
         thinking_budget: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         control: bool = True,
+        on_intent: Callable[[str], Any] | None = None,
     ) -> AssistantTurn:
         """One assistant turn, parsed: analysis (reasoning), tool calls or a final answer, in
         the model's own format (Harmony, or a text dialect: noesis.dialects).
@@ -142,16 +143,26 @@ class LLM:
         bounds a text dialect's `<think>` reasoning in tokens. `chat_template_kwargs` go to the
         template (enable_thinking, documents, ...). `deterministic` means greedy with seed 0.
         `control=False` keeps this LLM's control plane off the turn (SamplingParams.control).
-        Setting `cancel` aborts the generation (finish_reason "cancelled")."""
+        `on_intent` is called (on a sidecar thread, while the turn decodes) with the tool the
+        intent sidecar predicts the turn will call, if one runs (`predicts_tools`): Session
+        passes its ToolExecutor.warm. Setting `cancel` aborts the generation (finish_reason
+        "cancelled")."""
         prompt, turn = self._turn_inputs(
             messages, tools, tool_choice, deterministic, params, response_format, constrained,
             grounded, parallel_tool_calls, thinking_budget, chat_template_kwargs, control,
         )  # fmt: skip
         ids = self._add_all([prompt], [turn])
-        self.engine.show_turn(ids[0], messages, tools)  # the intent sidecar's guess
+        self.engine.show_turn(ids[0], messages, tools, on_intent)  # the intent sidecar's guess
         (out,) = self._run_to_completion(ids, False, cancel)
         parsed = self._turn_format_for_turns().parse(out.token_ids, prompt)
         return _assistant_turn(parsed, prompt, out.token_ids, out.finish_reason, out.token_metrics)
+
+    @property
+    def predicts_tools(self) -> bool:
+        """Whether an intent sidecar runs (a `[sidecars.intent]` table): the turn methods'
+        `on_intent` is then called with the tool it predicts."""
+        sidecars = self.engine.sidecars
+        return sidecars is not None and "intent" in sidecars.lanes
 
     def generate_turns(
         self, requests: Sequence[TurnRequest], cancel: threading.Event | None = None
@@ -164,7 +175,7 @@ class LLM:
         ]
         ids = self._add_all([prompt for prompt, _ in inputs], [turn for _, turn in inputs])
         for request_id, r in zip(ids, requests, strict=True):
-            self.engine.show_turn(request_id, r.messages, r.tools)
+            self.engine.show_turn(request_id, r.messages, r.tools, r.on_intent)
         outputs = self._run_to_completion(ids, False, cancel)
         fmt = self._turn_format_for_turns()
         return [
@@ -183,6 +194,7 @@ class LLM:
         tool_choice: str | dict = "auto",
         deterministic: bool = False,
         cancel: threading.Event | None = None,
+        on_intent: Callable[[str], Any] | None = None,
         **options: Any,
     ) -> Generator[Any, None, AssistantTurn]:
         """generate_turn, streamed: yields Tokens and the parser events they complete (Harmony's
@@ -193,7 +205,7 @@ class LLM:
         fmt = self._turn_format_for_turns()
         parser, parsed = fmt.stream_parser(prompt), ParsedTurn()
         request_id = self.engine.add_request(prompt, turn, delta=True)
-        self.engine.show_turn(request_id, messages, tools)
+        self.engine.show_turn(request_id, messages, tools, on_intent)
         token_ids: list[int] = []
         token_metrics: list = []
         reason, finished = None, False

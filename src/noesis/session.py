@@ -70,13 +70,15 @@ class Tokens:
 @dataclass(slots=True)
 class TurnRequest:
     """One generation to make: the transcript so far, the declared tools, and the keyword options
-    the generator takes (noesis.LLM: params, constrained, grounded, response_format)."""
+    the generator takes (noesis.LLM: params, constrained, grounded, response_format).
+    `on_intent`, set only for a generator with `predicts_tools`, is its `on_intent` keyword."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
     deterministic: bool
     options: dict[str, Any] = field(default_factory=dict)
+    on_intent: Callable[[str], Any] | None = None
 
 
 class TurnGenerator(Protocol):
@@ -87,7 +89,9 @@ class TurnGenerator(Protocol):
     Two optional methods, used when present: `stream_turn` (same arguments; a generator yielding
     turn events and returning the AssistantTurn) for Session.stream, and
     `generate_turns(requests, cancel)` (a list of AssistantTurn, one per TurnRequest, batched)
-    for Session.advance."""
+    for Session.advance. A generator whose `predicts_tools` is true also takes `on_intent` (a
+    TurnRequest's, in generate_turns): a callable it calls with the tool it expects the turn to
+    call, before the turn ends; Session passes its ToolExecutor.warm when a tool is isolated."""
 
     def generate_turn(
         self,
@@ -107,7 +111,8 @@ class BatchedTurnGenerator:
 
     def generate_turn(self, messages, tools=None, *, tool_choice="auto", deterministic=False,
                       cancel=None, **options) -> AssistantTurn:  # fmt: skip
-        request = TurnRequest(messages, tools, tool_choice, deterministic, options)
+        on_intent = options.pop("on_intent", None)
+        request = TurnRequest(messages, tools, tool_choice, deterministic, options, on_intent)
         return self.generate_turns([request], cancel)[0]  # the subclass's
 
 
@@ -171,12 +176,14 @@ class SessionRun:
         max_tool_rounds: int,
         options: dict[str, Any],
         control: TurnControl | None = None,
+        on_intent: Callable[[str], Any] | None = None,
     ) -> None:
         self.transcript = [dict(m) for m in messages]
         self.control = control  # None: the request's own knobs and tool_choice
         self.registry, self.executor = registry, executor
         self.tool_choice, self.deterministic = tool_choice, deterministic
         self.max_tool_rounds, self.options = max_tool_rounds, options
+        self.on_intent = on_intent  # the generator's intent hook: warms a predicted tool
         self.round = 0
         self.usage = Usage()
         self.analyses: list[str] = []
@@ -198,7 +205,8 @@ class SessionRun:
         if self.control is not None:
             options["params"] = self.control.params(options.get("params"))
             choice = self.control.tool_choice(choice) if declared else choice
-        return TurnRequest(list(self.transcript), declared, choice, self.deterministic, options)
+        return TurnRequest(list(self.transcript), declared, choice, self.deterministic, options,
+                           self.on_intent)  # fmt: skip
 
     def accept(self, turn: AssistantTurn, cancel: threading.Event) -> list[ToolCall]:
         """Take a generated turn: the calls to run now, or [] when the loop stops here."""
@@ -336,9 +344,13 @@ class Session:
             from noesis.control.turns import TurnControl
 
             steering = TurnControl(self.policy)
+        executor = self.executor.with_registry(registry)
+        # An intent sidecar's prediction starts an isolated tool's worker while the turn decodes
+        warm = getattr(self.generator, "predicts_tools", False) and executor.isolates()
         return SessionRun(
-            messages, registry, self.executor.with_registry(registry), tool_choice=tool_choice,
-            deterministic=deterministic, max_tool_rounds=rounds, options=options, control=steering,
+            messages, registry, executor, tool_choice=tool_choice, deterministic=deterministic,
+            max_tool_rounds=rounds, options=options, control=steering,
+            on_intent=executor.warm if warm else None,
         )  # fmt: skip
 
     def advance(self, runs: Sequence[SessionRun]) -> None:
@@ -387,8 +399,15 @@ def _generate(generator: TurnGenerator, request: TurnRequest, cancel: threading.
         tool_choice=request.tool_choice,
         deterministic=request.deterministic,
         cancel=cancel,
-        **request.options,
+        **_options(request),
     )
+
+
+def _options(request: TurnRequest) -> dict[str, Any]:
+    """A request's keyword options, with its on_intent when it has one."""
+    if request.on_intent is None:
+        return request.options
+    return {**request.options, "on_intent": request.on_intent}
 
 
 def _generate_all(
@@ -413,7 +432,7 @@ def _stream_turn(
             tool_choice=request.tool_choice,
             deterministic=request.deterministic,
             cancel=cancel,
-            **request.options,
+            **_options(request),
         )
     )
 

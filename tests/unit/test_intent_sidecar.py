@@ -1,7 +1,7 @@
 """The intent sidecar: the bundled router's guess on a few questions, the prediction back before
 the model writes its call, hit/miss counted against
-the call the turn made, a failing or stalled intent sidecar never delaying a step, and the
-`[sidecars.intent]` table."""
+the call the turn made, a predicted isolated tool warmed while the turn decodes, a failing or
+stalled intent sidecar never delaying a step, and the `[sidecars.intent]` table."""
 
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ import pytest
 
 from noesis import LLM, SamplingParams
 from noesis.errors import ConfigError
+from noesis.session import Session
 from noesis.sidecars.config import load_sidecars
 from noesis.sidecars.intent import IntentSidecar
 from noesis.sidecars.runtime import Cadence, SidecarRuntime, Window
 from noesis.tiny import corpus
 from noesis.tiny.tools import schemas
+from noesis.tools import ToolExecutor
+from noesis.tools.builtin import builtin_tools
+from noesis.tools.isolation import WorkerPool
 from noesis.weights.hub import bundled_models
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "noesis-tiny"
@@ -143,6 +147,63 @@ def test_the_prediction_comes_before_the_call_and_is_scored_at_the_end(llm, rout
     stats = runtime.stats()["intent"]
     assert stats["decisions"] == {"predict:calculator": 1, "hit": 1}
     assert stats["completed"] == 2 and stats["drops"] == 0 and stats["errors"] == 0
+
+
+def test_a_confident_guess_is_told_to_the_turn_hook(router):
+    sidecar, told = IntentSidecar(router), []
+    window = Window("h", QUESTION, QUESTION, False, tools=tuple(TOOLS), on_intent=told.append)
+    assert sidecar.predict(window).confident and told == ["calculator"]
+    unsure = Window("u", "Hello there!", "Hello there!", False, tools=tuple(TOOLS),
+                    on_intent=told.append)
+    assert not IntentSidecar(router, threshold=1.0).predict(unsure).confident
+    assert told == ["calculator"]
+
+    def broken(tool):
+        raise RuntimeError("hook failed")
+
+    failing = Window("f", QUESTION, QUESTION, False, tools=tuple(TOOLS), on_intent=broken)
+    assert sidecar.predict(failing).confident  # the hook's failure is not the prediction's
+
+
+class RecordingPool(WorkerPool):
+    """A worker pool that records warm-ups and calls, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=2)
+        self.events: list[tuple[str, object]] = []
+
+    def warm(self, functions):
+        functions = list(functions)
+        self.events.append(("warm", functions[0]))
+        super().warm(functions)
+
+    def job(self, function, kwargs):
+        self.events.append(("job", function))
+        return super().job(function, kwargs)
+
+
+def test_a_predicted_isolated_tool_is_warmed_while_the_turn_decodes(llm, router):
+    registry = builtin_tools(["calculator", "convert_units"])
+    calculator = registry.get("calculator")
+    assert calculator.isolated and not llm.predicts_tools
+    pool, runtime = RecordingPool(), SidecarRuntime([IntentSidecar(router)])
+    llm.engine.sidecars = runtime
+    try:
+        assert llm.predicts_tools
+        session = Session(llm, executor=ToolExecutor(workers=pool))
+        reply = session.generate([corpus.user(QUESTION)], tools=registry, deterministic=True,
+                                 params=PARAMS)
+    finally:
+        llm.engine.sidecars = None
+        runtime.close()
+        pool.close()
+    assert [c.name for c in reply.tool_calls] == ["calculator"]
+    assert "391" in reply.final
+    # The warm-up (asked for as the sidecar predicted the tool) came before the call.
+    warmed = pool.events.index(("warm", calculator.function))
+    assert warmed < pool.events.index(("job", calculator.function))
+    # Both rounds (the call, then the answer) were shown the same user message.
+    assert runtime.stats()["intent"]["decisions"]["predict:calculator"] == 2
 
 
 def test_stalled_then_failing_intent_never_delays_a_step(llm, router, alone):

@@ -165,6 +165,36 @@ def test_chat_command_defaults_to_the_bundled_model_and_its_tools(capsys, monkey
     assert [line.split()[0] for line in lines] == ["analysis", "final"]  # no calculator declared
 
 
+@needs_model
+def test_chat_command_runs_sidecars(capsys, monkeypatch, tmp_path):
+    """--sidecars FILE: the intent sidecar's guess warms the isolated calculator."""
+    from noesis.tools.executor import ToolExecutor
+
+    warmed, warm = [], ToolExecutor.warm
+    monkeypatch.setattr(ToolExecutor, "warm",
+                        lambda self, name: warmed.append(name) or warm(self, name))
+    monkeypatch.delenv("NOESIS_MODEL", raising=False)
+    config = tmp_path / "sidecars.toml"
+    config.write_text("[sidecars.intent]\n")
+    argv = ["chat", "--device", "cpu", "-t", "0", "--sidecars", str(config), "What is 6 times 7?"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[2] == "tool result 42"
+    assert warmed and set(warmed) == {"calculator"}
+
+
+def test_a_filtered_answer_says_so(encoding):
+    class Filtered(Scripted):
+        def stream_turn(self, *args, **kwargs):
+            turn = yield from super().stream_turn(*args, **kwargs)
+            turn.finish_reason = "content_filter"
+            return turn
+
+    llm, out = Filtered(encoding, [ANALYSIS + FINAL]), io.StringIO()
+    history = [{"role": "user", "content": "What is 2+2?"}]
+    chat.reply(llm, history, chat.tool_registry("builtin"), chat.Display(out, color=False))
+    assert out.getvalue().splitlines()[-1] == "stopped     the safety sidecar ended the answer"
+
+
 def test_chat_command_keeps_plain_chat_for_other_models(checkpoints, capsys):
     model = str(checkpoints.path("llama"))
     argv = ["chat", "--model", model, "--device", "cpu", "--max-tokens", "4", "--seed", "0", "hi"]

@@ -370,6 +370,27 @@ def test_a_worker_that_dies_is_an_error_result_and_is_replaced(pool):
     assert executor.run([call("quick", text="d")])[0].content == "quick d"
 
 
+def test_warm_starts_a_worker_for_an_isolated_tool_only():
+    fresh = WorkerPool(max_workers=1)
+    try:
+        registry = ToolRegistry([make_tool(quick, isolated=True), make_tool(nap)])
+        executor = ToolExecutor(registry, workers=fresh)
+        assert executor.isolates()
+        assert not executor.warm("nap") and not executor.warm("missing")
+        assert fresh.pids == []
+        assert executor.warm("quick")  # returns at once; the worker starts on a thread
+        deadline = time.monotonic() + 20
+        while not fresh.pids and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (pid,) = fresh.pids
+        # The call that follows runs in the warm worker, the same process.
+        assert executor.run([call("quick", text="w")])[0].content == "quick w"
+        assert fresh.pids == [pid]
+        assert not ToolExecutor(ToolRegistry([make_tool(nap)])).isolates()
+    finally:
+        fresh.close()
+
+
 def test_session_runs_isolated_tools_with_the_timeout(pool, tmp_path):
     class Scripted:
         def __init__(self) -> None:

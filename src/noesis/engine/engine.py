@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,8 @@ from noesis.sampling.params import SamplingParams
 from noesis.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from noesis.control.policy import ControlPolicy
     from noesis.speculative.proposer import StepProposals
     from noesis.telemetry.observer import EngineObserver
@@ -525,16 +527,18 @@ class Engine:
         if self._end_early(request_id, FinishReason.PRUNED):
             logger.debug("branch %s pruned", request_id)
 
-    def show_turn(self, request_id: str, messages: list[dict], tools: list[dict] | None) -> None:
+    def show_turn(self, request_id: str, messages: list[dict], tools: list[dict] | None,
+                  on_intent: Callable[[str], Any] | None = None) -> None:
         """Show the sidecars an admitted turn's last user message and declared tools (the
-        intent sidecar guesses the tool it will call); never waits."""
+        intent sidecar guesses the tool it will call, and tells `on_intent`: the turn loop's
+        ToolExecutor.warm); never waits."""
         if self.sidecars is None or not tools:
             return
         from noesis.structured.grounding import user_texts
 
         texts = user_texts(messages)  # latest first
         if texts:
-            self.sidecars.offer_turn(request_id, texts[0], tools)
+            self.sidecars.offer_turn(request_id, texts[0], tools, on_intent)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step.

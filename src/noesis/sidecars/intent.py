@@ -8,14 +8,17 @@ declared tool with p >= threshold becomes the decision "predict:NAME". The reque
 window then yields "hit" (the predicted tool was called), "miss" (it was not) or "unpredicted" (a
 tool was called with nothing predicted).
 
-It does not prefetch the tool's argument grammar yet: a call's arguments are constrained by the
-whole turn's grammar, compiled before the request starts with every declared schema inline, so no
-decode path would use a grammar compiled for one call. That waits for a per-call grammar swapped
-in at the tool header.
+A confident guess is also handed to the turn's `on_intent` (the Session's ToolExecutor.warm):
+an isolated tool gets its worker process started and its module imported while the turn is
+still decoding, so that its call does not wait for them. The tool's argument grammar is not
+prefetched: a call's arguments are constrained by the whole turn's grammar, compiled before the
+request starts with every declared schema inline, so no decode path would use a grammar compiled
+for one call. That waits for a per-call grammar swapped in at the tool header.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ from noesis.errors import ConfigError
 from noesis.sidecars.runtime import Cadence, Placement, Window
 from noesis.structured.harmony_grammar import tool_schemas
 from noesis.voice.router import Router
+
+log = logging.getLogger(__name__)
 
 PREDICT = "predict:"  # a decision "predict:NAME": the turn is expected to call NAME
 # A call as an output's text shows it: Harmony's `to=functions.NAME` header, or the text
@@ -87,7 +92,8 @@ class IntentSidecar:
 
     def predict(self, window: Window) -> Intent:
         """The router's tool for the window's user message, confident when it is declared and
-        likely enough; remembered for the turn's outcome."""
+        likely enough; remembered for the turn's outcome, and told to the window's `on_intent`
+        when confident."""
         tool, p = self.router.predict(window.text)
         schemas = tool_schemas(list(window.tools))  # name -> parameters; GrammarError if bad
         confident = tool in schemas and p >= self.threshold
@@ -95,6 +101,11 @@ class IntentSidecar:
             self._pending[window.request_id] = (tool if confident else None, frozenset(schemas))
             while len(self._pending) > MAX_PENDING:
                 del self._pending[next(iter(self._pending))]
+        if confident and window.on_intent is not None:
+            try:
+                window.on_intent(tool)
+            except Exception:  # the caller's hook: its failure is not the prediction's
+                log.warning("the on_intent hook of %s failed", window.request_id, exc_info=True)
         return Intent(tool, p, confident)
 
     def _outcome(self, window: Window) -> Outcome | None:

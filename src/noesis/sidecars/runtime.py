@@ -20,6 +20,7 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,6 +76,8 @@ class Window:
     final: bool  # the request finished with this window
     start: int = 0  # where `text` begins in `context`
     tools: tuple[dict[str, Any], ...] = ()  # a turn window's declared tools (OpenAI format)
+    # a turn window's caller, told the tool its turn is expected to call (ToolExecutor.warm)
+    on_intent: Callable[[str], Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,14 +250,17 @@ class SidecarRuntime:
             self._observe(out)
         return results
 
-    def offer_turn(self, request_id: str, user_text: str, tools: list[dict[str, Any]]) -> None:
+    def offer_turn(self, request_id: str, user_text: str, tools: list[dict[str, Any]],
+                   on_intent: Callable[[str], Any] | None = None) -> None:
         """Offer a turn's last user message and declared tools to the "turn" sidecars as the
-        request is admitted (they also get its whole text once it finishes). Never waits."""
+        request is admitted (they also get its whole text once it finishes); `on_intent` is
+        called with the tool an intent sidecar predicts. Never waits."""
         lanes = [lane for lane in self.lanes.values() if lane.sidecar.cadence.kind == "turn"]
         if lanes:
             self._turns.add(request_id)
         for lane in lanes:
-            lane.offer(Window(request_id, user_text, user_text, False, tools=tuple(tools)))
+            lane.offer(Window(request_id, user_text, user_text, False, tools=tuple(tools),
+                              on_intent=on_intent))
 
     def _observe(self, out: RequestOutput) -> None:
         rid = out.request_id

@@ -182,6 +182,24 @@ class ToolExecutor:
         other.registry = registry
         return other
 
+    def isolates(self) -> bool:
+        """Whether any tool of the registry runs isolated (so that `warm` has work)."""
+        return any(t.isolated for t in self.registry)
+
+    def warm(self, name: str) -> bool:
+        """Get a worker process ready for the isolated tool `name` (noesis.tools.isolation:
+        WorkerPool.warm) on a background thread, so that its first call does not wait for a
+        process to start and import its module; never blocks. What the intent sidecar calls
+        when it predicts the tool. False (nothing done) for a tool that is not isolated or not
+        in the registry."""
+        tool = self.registry.find(name)
+        if tool is None or not tool.isolated:
+            return False
+        pool = self.workers or shared_pool()
+        threading.Thread(target=pool.warm, args=([tool.function],), daemon=True,
+                         name=f"noesis-warm-{name}").start()  # fmt: skip
+        return True
+
     def run(
         self, calls: Sequence[CallLike | Mapping[str, Any]], cancel: threading.Event | None = None
     ) -> list[ToolResult]:
