@@ -320,7 +320,7 @@ def print_table(report: dict) -> None:
         print(f"{batch:>5} {run['tok_s_off']:>10.1f} {run['tok_s_on']:>10.1f} "
               f"{run['ratio']:>7.3f}")
     print(f"\n{'batch':>5} {'sidecar':>8} {'windows':>8} {'in timed':>8} {'done':>6} "
-          f"{'calls':>6} {'drops':>6} {'errors':>6} {'ms/window':>9}")
+          f"{'calls':>6} {'drops':>6} {'errors':>6} {'call ms':>9}")  # a window's wait for its call
     for batch, run in report["batches"].items():
         for name, c in run["sidecars"].items():
             ms = f"{c['ms_per_window']:.2f}" if c["ms_per_window"] is not None else "-"
