@@ -73,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--placement-batch", type=int, metavar="N",
                         help="the safety sidecar's queue_size and batch (default: the "
                              "[sidecars] defaults)")
+    parser.add_argument("--placement-queue", type=int, metavar="N",
+                        help="the safety sidecar's queue_size (default: --placement-batch's)")
     parser.add_argument("--memory-batch", type=int, metavar="N",
                         help="the memory sidecar's queue_size and batch (default: "
                              "--placement-batch's)")
@@ -100,6 +102,7 @@ def main() -> None:
               "command": " ".join(sys.argv), "torch": torch.__version__,
               "libraries": library_versions(), "sidecars": list(runtime.lanes),
               "placement_batch": args.placement_batch, "memory_batch": args.memory_batch,
+              "placement_queue": args.placement_queue,
               "batches": runs}
     print_table(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -160,9 +163,11 @@ def build_sidecars(args: argparse.Namespace):
     sizes = {}
     if args.placement_batch:
         sizes = {"queue_size": args.placement_batch, "batch": args.placement_batch}
-        settings = settings.replace("[sidecars.safety]\n", "[sidecars.safety]\n" + "".join(
-            f"{key} = {value}\n" for key, value in sizes.items()))
-    memory_sizes = sizes
+    if args.placement_queue:
+        sizes["queue_size"] = args.placement_queue
+    settings = settings.replace("[sidecars.safety]\n", "[sidecars.safety]\n" + "".join(
+        f"{key} = {value}\n" for key, value in sizes.items()))
+    memory_sizes = {k: v for k, v in sizes.items() if k == "batch" or not args.placement_queue}
     if args.memory_batch:
         memory_sizes = {"queue_size": args.memory_batch, "batch": args.memory_batch}
     toml.write_text(settings)
