@@ -238,3 +238,39 @@ def test_intent_config(tmp_path):
         load_sidecars(file).build()
     with pytest.raises(ConfigError, match="cadence"):
         IntentSidecar(None, cadence=Cadence("request"))
+
+
+def test_the_server_shows_the_intent_sidecar_its_chat_turns(tmp_path):
+    import time
+
+    import openai
+    from starlette.testclient import TestClient
+
+    from noesis.engine.config import EngineConfig
+    from noesis.engine.transport import EngineThread
+    from noesis.server.app import create_app
+    from noesis.server.config import ServeConfig
+
+    path = tmp_path / "sidecars.toml"
+    path.write_text("[sidecars.intent]\n")
+    sidecars = load_sidecars(path)
+    assert sidecars.reads_turns and not load_sidecars(None, safety=True).reads_turns
+    served = LLM(str(MODEL_DIR), device="cpu", dtype="float32", progress=False)
+    runtime = served.engine.sidecars = sidecars.build()
+    config = ServeConfig("m", engine=EngineConfig(sidecars=sidecars), engine_process=False)
+    with TestClient(create_app(config, EngineThread(served.engine))) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+        question = [{"role": "user", "content": QUESTION}]
+        reply = client.chat.completions.create(model="m", messages=question, tools=TOOLS,
+                                               temperature=0, max_tokens=96)
+        # Without tools there is nothing to predict: no turn window.
+        client.chat.completions.create(model="m", messages=question, temperature=0,
+                                       max_tokens=8)
+        deadline = time.monotonic() + 10
+        while runtime.stats()["intent"]["completed"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "calculator"
+    stats = runtime.stats()["intent"]
+    assert stats["windows"] == 2  # the turn as admitted, then its whole text
+    assert stats["decisions"] == {"predict:calculator": 1, "hit": 1}

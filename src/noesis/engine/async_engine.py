@@ -274,6 +274,11 @@ class AsyncEngine:
         their adds, so the engine has them when it reads this."""
         self.backend.send(("branches", list(request_ids), keep, tools, context))
 
+    def show_turn(self, request_id: str, messages: list[dict], tools: list[dict]) -> None:
+        """Show the engine's turn sidecars (intent) a request's conversation and declared tools
+        (Engine.show_turn); sent after its add."""
+        self.backend.send(("turn", request_id, messages, tools))
+
     def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         if request is not None:

@@ -531,8 +531,11 @@ class Engine:
                   on_intent: Callable[[str], Any] | None = None) -> None:
         """Show the sidecars an admitted turn's last user message and declared tools (the
         intent sidecar guesses the tool it will call, and tells `on_intent`: the turn loop's
-        ToolExecutor.warm); never waits."""
+        ToolExecutor.warm); never waits. Nothing for a request that is not running (one the
+        server's add rejected)."""
         if self.sidecars is None or not tools:
+            return
+        if request_id not in self._requests and request_id not in self._compiling:
             return
         from noesis.structured.grounding import user_texts
 

@@ -89,6 +89,8 @@ class EngineLoop:
                     self.engine.add_branches(*command[1:])
                 except InvalidRequest as exc:  # the caller's mistake: its branches run ungated
                     log.warning("branches not gated: %s", exc)
+            elif command[0] == "turn":  # the intent sidecar's view of a served turn
+                self.engine.show_turn(*command[1:])
             elif command[0] == "embed":
                 report.embedded.append(self._embed(*command[1:]))
             else:

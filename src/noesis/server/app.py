@@ -262,7 +262,26 @@ class ServerState:
         await generation.start(prompts, params)
         if gated:
             self.gate_branches(body, generation, body.choices)
+        self.show_turns(body, generation)
         return generation
+
+    def show_turns(self, body: ChatCompletionRequest | CompletionRequest,
+                   generation: Generation) -> None:
+        """A chat request with tools, under a server whose sidecars read turns (intent): each
+        generation's last user message and tools go to them (predictions and hit / miss in
+        /metrics; the client runs its tools, so nothing is warmed)."""
+        sidecars = self.config.engine.sidecars
+        if sidecars is None or not sidecars.reads_turns:
+            return
+        if not isinstance(body, ChatCompletionRequest) or not body.tools \
+                or body.effective_tool_choice == "none":  # fmt: skip
+            return
+        texts = user_texts(body.template_messages())
+        if not texts:
+            return
+        last = [{"role": "user", "content": texts[0]}]
+        for stream in generation.streams:
+            self.engine.show_turn(stream.request_id, last, body.tools)
 
     def gates_branches(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
         """Whether best_of's extra generations run under the binding gate: the server's control

@@ -70,6 +70,12 @@ class SidecarSpec:
 class SidecarsConfig:
     sidecars: tuple[SidecarSpec, ...] = ()
 
+    @property
+    def reads_turns(self) -> bool:
+        """Whether a sidecar reads turns as they are admitted (intent): a server then shows
+        the engine each chat request's conversation and tools."""
+        return any(spec.cadence.kind == "turn" for spec in self.sidecars)
+
     def build(self):
         """The SidecarRuntime running these sidecars (models loaded here)."""
         from noesis.sidecars.runtime import SidecarRuntime
