@@ -160,16 +160,10 @@ def build_sidecars(args: argparse.Namespace):
                                     f'[sidecars.safety]\nmodel = "{classifier}"\n')
     settings = settings.replace("[sidecars.safety]\n",
                                 f'[sidecars.safety]\ndevice = "{args.sidecar_device}"\n')
-    sizes = {}
-    if args.placement_batch:
-        sizes = {"queue_size": args.placement_batch, "batch": args.placement_batch}
-    if args.placement_queue:
-        sizes["queue_size"] = args.placement_queue
+    sizes = sized(args.placement_batch, args.placement_queue)
     settings = settings.replace("[sidecars.safety]\n", "[sidecars.safety]\n" + "".join(
         f"{key} = {value}\n" for key, value in sizes.items()))
-    memory_sizes = {k: v for k, v in sizes.items() if k == "batch" or not args.placement_queue}
-    if args.memory_batch:
-        memory_sizes = {"queue_size": args.memory_batch, "batch": args.memory_batch}
+    memory_sizes = sized(args.memory_batch or args.placement_batch)
     toml.write_text(settings)
     configured = load_sidecars(toml).build()
     sidecars = [lane.sidecar for lane in configured.lanes.values()]
@@ -182,6 +176,13 @@ def build_sidecars(args: argparse.Namespace):
         memory.cadence = Cadence("tokens", args.memory_every)
         sidecars.append(memory)
     return SidecarRuntime(sidecars)
+
+
+def sized(batch: int | None, queue: int | None = None) -> dict[str, int]:
+    """Placement keywords: `batch` windows a call, a queue of `queue` (default `batch`); {} for
+    the defaults."""
+    sizes = {"batch": batch, "queue_size": queue or batch} if batch else {}
+    return sizes | ({"queue_size": queue} if queue else {})
 
 
 def random_minilm(shape: Path, out: Path, dtype: str, labels: list[str] | None = None) -> Path:
