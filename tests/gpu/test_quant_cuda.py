@@ -373,3 +373,40 @@ def test_fp8_kv_greedy_tokens_equal_bf16_kv(graphs, monkeypatch):
     assert ids == want_ids
     assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < 0.05
     assert (fp8.engine.runner.step_counts["graph"] > 0) == graphs
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="the bulk copy engine needs Hopper")  # fmt: skip
+@pytest.mark.parametrize("tiles", [(1, 16, 4), (1, 8, 8), (2, 32, 4)])
+@pytest.mark.parametrize(("n", "k", "dtype"), [(4096, 4096, torch.bfloat16),
+                                               (392, 1280, torch.float16)])  # fmt: skip
+def test_copy_engine_int4_gemv_matches_the_fragment_gemv(monkeypatch, tiles, n, k, dtype):
+    """fragment_gemv through frag_tma (weights by TMA, issued before PDL's wait) against the
+    Triton fragment GEMV and dequantize-then-matmul, one row and three, and from a graph;
+    (392, 1280): the tiles do not fill the last program and K is 20 chunks."""
+    from noesis.kernels import frag_tma
+    from noesis.quant import kernel
+    from noesis.quant.int4_fragments import Int4Fragments
+    from noesis.quant.linear import dequantized_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    qweight, scales, zeros, _ = packed_weight(n, k, 4, 128, False, gen)
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    frags = Int4Fragments.pack(qweight, scales, zeros, 128)
+    for rows in (1, 3):
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+        triton_gemv = kernel.fragment_gemv(x, frags)
+        monkeypatch.setattr(kernel, "TMA", True)
+        monkeypatch.setattr(frag_tma, "INT4_TILES", tiles)
+        ours = kernel.fragment_gemv(x, frags)
+        want = dequantized_matmul(x.float(), qweight, scales.float(), zeros.float(), None, 4, 128)
+        assert ours.dtype == dtype and ours.shape == (rows, n)
+        assert rel_err(ours, want) < 1e-2
+        assert rel_err(ours, triton_gemv) < 2e-3
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = kernel.fragment_gemv(x, frags)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, ours)
+        monkeypatch.setattr(kernel, "TMA", False)
