@@ -34,20 +34,23 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from noesis.kernels.frag_gemv import INT4_CONSTRAINTS
 from noesis.kernels.int4_mma import INT4_BF16_CHUNK_ASM, INT4_F16_CHUNK_ASM
 from noesis.kernels.mxfp4_mma import MXFP4_CHUNK_ASM
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton has no Gluon either
-    gdc_wait = gdc_launch_dependents = None
-
 # (tiles a program, chunks a stage, warps) for gate_up and down at batch 1.
 TMA_TILES = ((1, 16, 4), (1, 16, 4))
 # Under PDL (module docstring): gate_up releases down early, down fetches before its wait.
 RELEASE, EARLY = False, False
+
+
+@gluon.constexpr_function
+def _chunk_layout(warps):
+    """[tiles, chunks, 32 lanes, 4] with lane l of a warp on its own 4 words, warps along the
+    chunks; its slice over the last dimension holds the running sums."""
+    return gl.BlockedLayout([1, 1, 1, 4], [1, 1, 32, 1], [1, warps, 1, 1], [3, 2, 1, 0])
 
 
 @gluon.jit
@@ -79,7 +82,7 @@ def _tma_sums(smem, bars, x_row, s_ptr, expert, tile0, NT: gl.constexpr, KC: gl.
     per tile, group of GC chunks and g; NG groups a tile)."""
     row_tile0 = expert * NT + tile0
     NSTAGE: gl.constexpr = (KC + STAGE - 1) // STAGE
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 32, 1], [1, WARPS, 1, 1], [3, 2, 1, 0])
+    L4: gl.constexpr = _chunk_layout(WARPS)
     L3: gl.constexpr = gl.SliceLayout(3, L4)
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, WARPS, 1], [2, 1, 0])
     t3 = gl.arange(0, TILES, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
@@ -196,18 +199,15 @@ def _tma_down(
     """out[p, rows] = weight[p] * (act[p] @ down[ids[p]].T) in float32: _frag_down's contract."""
     pair = gl.program_id(0)
     tile0 = gl.program_id(1) * TILES
-    if PDL and EARLY:  # the ids were written two kernels back, done before gate_up released
-        expert = gl.load(ids_ptr + pair)
-        smem, bars = _tma_issue(w_desc, expert, tile0, NT, KC, TILES, STAGE)
+    if PDL and not EARLY:
+        gdc_wait()
+    # EARLY: the ids were written two kernels back, done before gate_up released this one
+    expert = gl.load(ids_ptr + pair)
+    smem, bars = _tma_issue(w_desc, expert, tile0, NT, KC, TILES, STAGE)
+    if PDL and EARLY:
         gdc_wait()  # act
-    else:
-        if PDL:
-            gdc_wait()
-        expert = gl.load(ids_ptr + pair)
-        smem, bars = _tma_issue(w_desc, expert, tile0, NT, KC, TILES, STAGE)
     # the epilogue's operands first: fewer pointers live across the chunks (none spilled)
-    L2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.BlockedLayout(
-        [1, 1, 1, 4], [1, 1, 32, 1], [1, WARPS, 1, 1], [3, 2, 1, 0])))  # _tma_sums' result
+    L2: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, _chunk_layout(WARPS)))  # the sums'
     t = gl.arange(0, TILES, layout=gl.SliceLayout(1, L2))[:, None]
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L2))[None, :]
     rows = (tile0 + t) * 16 + lane // 4
