@@ -651,13 +651,15 @@ class EncoderClassifier(nn.Module):
         """The layers and head a --save wrote (trained_state's names), into this model."""
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
+        self.load_state(load_file(str(path)), str(path))
+
+    def load_state(self, state: dict[str, torch.Tensor], where: str = "the state") -> None:
         head = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
         self.head.load_state_dict(head)
         layers = {k: v for k, v in state.items() if not k.startswith("head.")}
         missing = set(self.trained_state()) - set(state)
         if missing:
-            raise ValueError(f"{path} lacks {sorted(missing)[:5]}: another --train-layers?")
+            raise ValueError(f"{where} lacks {sorted(missing)[:5]}: another --train-layers?")
         self.bert.load_state_dict(layers, strict=False)
         self.eval()
 
@@ -665,6 +667,21 @@ class EncoderClassifier(nn.Module):
         names = [f"encoder.layer.{i}." for i in range(self.split, len(self.bert.encoder.layer))]
         state = {k: v for k, v in self.bert.state_dict().items() if k.startswith(tuple(names))}
         return {**state, **{f"head.{k}": v for k, v in self.head.state_dict().items()}}
+
+
+def soup(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of several --save states (runs of one recipe from the same MiniLM
+    weights, other seeds): one model, no ensemble's cost at inference."""
+    from safetensors.torch import load_file
+
+    if len(paths) < 2:
+        raise SystemExit("--soup takes two or more run folders")
+    states = [load_file(str(p)) for p in paths]
+    names = set(states[0])
+    for path, state in zip(paths[1:], states[1:], strict=True):
+        if set(state) != names:
+            raise SystemExit(f"{path}: other tensors than {paths[0]} (another --train-layers?)")
+    return {k: torch.stack([s[k].float() for s in states]).mean(0) for k in sorted(names)}
 
 
 def encode(embedder: SentenceEmbedder, texts: list[str], max_tokens: int) -> list[list[int]]:
@@ -747,13 +764,13 @@ def flagged(values: list[float], threshold: float) -> float:
     return sum(v >= threshold for v in values) / max(1, len(values))
 
 
-def best_threshold(values: list[float], labels: list[int]) -> float:
-    """The validation threshold with the most recall at <= 1% false alarms (else the one
-    with the fewest false alarms)."""
+def best_threshold(values: list[float], labels: list[int], ceiling: float = 0.01) -> float:
+    """The validation threshold with the most recall at <= `ceiling` false alarms (else the
+    one with the fewest false alarms)."""
     grid = [0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 0.995, 0.997, 0.998, 0.999]
     pos = [v for v, y in zip(values, labels, strict=True) if y]
     neg = [v for v, y in zip(values, labels, strict=True) if not y]
-    ok = [t for t in grid if flagged(neg, t) <= 0.01]
+    ok = [t for t in grid if flagged(neg, t) <= ceiling]
     if not ok:
         return min(grid, key=lambda t: flagged(neg, t))
     return max(ok, key=lambda t: flagged(pos, t))
@@ -775,10 +792,14 @@ def main() -> None:
     print(f"{len(near)} of {len(harmful)} real harmful lines near HarmBench: dropped", flush=True)
     train_rows = training_set("train", real, near, args.seed, args.scale, args.extra_benign,
                               args.extra_harmful, args.more_benign)
-    val_rows = training_set("val", real, near, args.seed, args.scale * 0.2)
+    # validation counts each distinct text once: repeats of a few framed actions decided the
+    # threshold before (RESULTS.md, "three new seeds")
+    val_rows = list(dict(training_set("val", real, near, args.seed, args.scale * 0.2)).items())
     print(f"train {len(train_rows)} ({sum(y for _, y in train_rows)} unsafe), "
           f"val {len(val_rows)}", flush=True)
     model = EncoderClassifier(embedder, args.train_layers, args.dropout)
+    if args.soup and args.from_trained:
+        raise SystemExit("--soup and --from-trained: one or the other")
     if args.from_trained:  # a --save of an earlier run with these options: export only
         model.load_trained(Path(args.from_trained))
         results = Path(args.from_trained).parent / "results.json"
@@ -791,11 +812,15 @@ def main() -> None:
         print(json.dumps(summary["export"], indent=2))
         return
     start = time.perf_counter()
-    losses = train(model, encode(embedder, [t for t, _ in train_rows], args.max_tokens),
-                   [y for _, y in train_rows], args)
+    if args.soup:  # no training: the mean of earlier --save runs' layers and head
+        model.load_state(soup([Path(d) / "head.safetensors" for d in args.soup]))
+        losses = [float("nan")] * 50
+    else:
+        losses = train(model, encode(embedder, [t for t, _ in train_rows], args.max_tokens),
+                       [y for _, y in train_rows], args)
     seconds = time.perf_counter() - start
     val_scores = text_scores(model, embedder, [t for t, _ in val_rows], args.max_tokens)
-    val_threshold = best_threshold(val_scores, [y for _, y in val_rows])
+    val_threshold = best_threshold(val_scores, [y for _, y in val_rows], args.val_ceiling)
     val_harmful = [v for v, (_, y) in zip(val_scores, val_rows, strict=True) if y]
     val_harmless = [v for v, (_, y) in zip(val_scores, val_rows, strict=True) if not y]
     table = measure(model, embedder, test_sets(real, args.seed), args, val_threshold)
@@ -940,6 +965,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="training texts of EXTRA_HARMFUL_PAIRS' actions (0: none)")
     parser.add_argument("--more-benign", type=int, default=0,
                         help="training texts of MORE_HARMLESS_PAIRS' actions (0: none)")
+    parser.add_argument("--val-ceiling", type=float, default=0.01,
+                        help="validation false alarms the chosen threshold may reach")
+    parser.add_argument("--soup", nargs="+", metavar="RUN",
+                        help="no training: the mean of these --save runs' states (their --out "
+                        "folders), measured as a trained run is")
     parser.add_argument("--test-limit", type=int, default=0, help="texts per test set (0: all)")
     parser.add_argument("--save", action="store_true", help="write head.safetensors")
     parser.add_argument("--export", help="write the classifier folder the safety sidecar loads "
