@@ -104,17 +104,6 @@ for stage in $STAGES; do
     hf-8b) python benchmarks/gpu_decode.py --shapes llama-8b --batches "" \
               --hf-compile llama-8b --json "$OUT/decode_8b_hf.json" 2>&1 | tail -10 \
               | tee "$OUT/decode_8b_hf.txt" ;;
-    tma)  # the copy-engine fragment GEMV (kernels/frag_tma.py) against frag_gemv, one call
-      python benchmarks/mxfp4_fragments.py --tma 1,16,4/1,16,4 --tma 2,16,4/2,16,4 \
-        --tma 1,8,8/1,8,8 2>&1 | tail -8 | tee "$OUT/tma_experts.txt"
-      python benchmarks/int4_fragments.py --tma 1,32,4 --tma 1,16,4 2>&1 | tail -6 \
-        | tee "$OUT/tma_int4.txt"
-      python -m pytest -q -m gpu tests/gpu/test_moe_triton_cuda.py tests/gpu/test_quant_cuda.py \
-        -k copy_engine 2>&1 | tail -5 | tee "$OUT/tma_tests.txt"
-      python benchmarks/gpu_moe_model.py --shape gpt-oss-20b --batches 1 --no-hf \
-        --json "$OUT/tma_gpt_oss.json" --variant "tma:noesis.kernels.moe_triton.TMA=True" \
-        --variant "tma-early:noesis.kernels.moe_triton.TMA=True,noesis.kernels.frag_tma.EARLY=True,noesis.kernels.frag_tma.RELEASE=True" \
-        2>&1 | tail -8 | tee "$OUT/tma_gpt_oss.txt" ;;
     *) python benchmarks/$stage 2>&1 | tail -30 | tee -a "$OUT/extra.txt" ;;
   esac
 done

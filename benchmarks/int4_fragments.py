@@ -57,9 +57,6 @@ def main() -> None:
     parser.add_argument("--tiles", action="store_true", help="also sweep FRAG_TILES")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--rows", help="comma-separated row counts: time several rows of x")
-    parser.add_argument("--tma", action="append", default=[],
-                        help="also the copy-engine GEMV (kernels/frag_tma.py) with INT4_TILES "
-                             "'tiles,stage,warps'; repeatable")  # fmt: skip
     parser.add_argument("--save-configs", type=Path,
                         help="merge each shape's fastest fragment variant into this file")
     args = parser.parse_args()
@@ -74,8 +71,6 @@ def main() -> None:
     variants = {"stored layout": None}
     for tiles in [kernel.FRAG_TILES] + (SWEEP if args.tiles else []):
         variants[f"fragments {tiles}"] = tiles
-    for text in args.tma:
-        variants[f"copy engine {text}"] = ("tma", tuple(int(v) for v in text.split(",")))
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
           f"{args.layers} layers of each projection, int4 g{GROUP}, {args.dtype}, one row")
     rows = []
@@ -104,8 +99,7 @@ def main() -> None:
 
         best = {}
         for name in SHAPES:
-            row = min((r for r in rows if isinstance(variants[r["variant"]], tuple)
-                       and variants[r["variant"]][0] != "tma"),
+            row = min((r for r in rows if variants[r["variant"]] is not None),
                       key=lambda r: r["us"][name])  # fmt: skip
             best[kernel.fragment_key(layers[name][0]["frags"])] = list(variants[row["variant"]])
         _save_configs(args.save_configs, torch.cuda.get_device_name(), best)
@@ -209,14 +203,6 @@ def _run(x, q, variant):
         return x @ kernel.fragment_dequantize(q["frags"], x.dtype).T
     if variant[0] == "rows":
         return kernel.fragment_rows(x, q["frags"], variant[1])
-    if variant[0] == "tma":
-        from noesis.kernels import frag_tma
-
-        kernel.TMA, frag_tma.INT4_TILES = True, variant[1]
-        try:
-            return kernel.fragment_gemv(x, q["frags"])
-        finally:
-            kernel.TMA = False
     return kernel.fragment_gemv(x, q["frags"], variant)
 
 

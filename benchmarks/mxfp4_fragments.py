@@ -46,9 +46,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tiles", action="store_true", help="also sweep the fragment tiles")
     parser.add_argument("--old", type=Path, help="a moe_triton.py reading the stored layout")
-    parser.add_argument("--tma", type=_tma_tiles, action="append", default=[],
-                        help="also the copy-engine GEMV (kernels/frag_tma.py) with TMA_TILES "
-                             "'gate_up/down', each 'tiles,stage,warps'; repeatable")  # fmt: skip
     args = parser.parse_args()
     old = None
     if args.old:
@@ -75,26 +72,14 @@ def main() -> None:
     if old is not None:
         variants = [(f"stored layout ({args.old.name})", old, default), *variants,
                     (f"stored layout ({args.old.name}), again", old, default)]  # fmt: skip
-    variants += [(f"copy engine, TMA_TILES {t}", "tma", t) for t in args.tma]
-    variants += [(f"fragments, {knob} {default}, again", None, default)] if args.tma else []
     for name, module, tiles in variants:
-        if module == "tma":
-            from noesis.kernels import frag_tma
-
-            module, frag_tma.TMA_TILES, moe_triton.TMA = None, tiles, True
-        else:
-            setattr(moe_triton, knob, tiles)
-            moe_triton.TMA = False
+        setattr(moe_triton, knob, tiles)
         out = _experts(x, first, module)
         err = ((out.float() - ref).norm() / ref.norm()).item()
         ms = time_ms(lambda m=module: [_experts(x, layer, m) for layer in layers], args.iters,
                      "cuda", graph=True)  # fmt: skip
         print(f"| {name} | {ms * 1e3:.1f} | {roofline_ms / ms:.0%} | {err:.1e} |", flush=True)
     setattr(moe_triton, knob, default)
-
-
-def _tma_tiles(text: str):
-    return tuple(tuple(int(v) for v in part.split(",")) for part in text.split("/"))
 
 
 def _layer(gen, batch: int):

@@ -41,7 +41,6 @@ KERNEL_MODULES = (
     "noesis.kernels.bitmask",
     "noesis.sampling.race_kernel",
     "noesis.quant.packed_row",
-    "noesis.kernels.frag_tma",
 )
 
 
@@ -57,8 +56,7 @@ def launches() -> dict[str, tuple]:
     import torch
     from triton.runtime.jit import JITFunction
 
-    from noesis.kernels import bitmask, frag_tma, paged_decode, pdl, pointwise, rope, row_gemv
-    from noesis.kernels.frag_gemv import INT4_BF16
+    from noesis.kernels import bitmask, paged_decode, pdl, pointwise, rope, row_gemv
     from noesis.quant import packed_row
     from noesis.sampling import race_kernel
 
@@ -105,26 +103,6 @@ def launches() -> dict[str, tuple]:
             scales=torch.zeros(n, groups, **bf16), qzeros=torch.zeros(n, groups, **bf16),
             bits=bits, group_size=k if group == -1 else group,
         )
-
-    def fragments(experts, rows, cols, group=None):  # MXFP4 / int4 fragment-layout tensors
-        tiles, chunks = rows // 16, cols // 64
-        words = torch.zeros(experts, tiles, chunks, 32, 4, dtype=torch.int32)
-        if group is None:
-            return SimpleNamespace(words=words, scales=torch.zeros(experts, tiles, chunks, 8,
-                                   dtype=torch.int32), tiles=tiles, chunks=chunks)  # fmt: skip
-        return SimpleNamespace(words=words[0], params=torch.zeros(tiles, cols // group, 8, 2,
-                               dtype=torch.int32), tiles=tiles, chunks=chunks, groups=cols // group,
-                               group_size=group, out_features=rows)  # fmt: skip
-
-    def copy_engine_experts():  # gpt-oss-20b's experts at batch 1
-        gpt = dict(dtype=torch.bfloat16)
-        x2880 = torch.zeros(1, 2880, **gpt)
-        return frag_tma.tma_experts(
-            x2880, torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 4, **gpt),
-            fragments(32, 5760, 2880), fragments(32, 2880, 2880), torch.zeros(32, 5760, **gpt),
-            torch.zeros(32, 2880, **gpt), torch.zeros(4, 2880, **gpt),
-            dict(limit=7.0, alpha=1.702, CLAMP=True), pdl.pdl_launch(x2880), lambda b: b,
-        )  # fmt: skip
 
     def packed_qkv(bits, cache, scales=None):
         return packed_row.norm_qkv_rope_store(
@@ -268,10 +246,6 @@ def launches() -> dict[str, tuple]:
             x, norm, 1e-5, packed(2 * inter, hidden, 8, -1)
         ),
         "packed one-row norm + qkv + RoPE + KV write, int4": lambda: packed_qkv(4, kv),
-        "MXFP4 experts by the copy engine": copy_engine_experts,
-        "int4 one-row gate/up by the copy engine": lambda: frag_tma.tma_int4_gemv(
-            x, fragments(1, 2 * inter, hidden, 128), torch.zeros(1, 2 * inter, **bf16),
-            INT4_BF16, pdl.pdl_launch(x)),
         "packed one-row norm + qkv + RoPE + fp8 KV write, int4": lambda: packed_qkv(
             4, fp8_kv, kv_scales
         ),
@@ -283,8 +257,6 @@ def launches() -> dict[str, tuple]:
         "one-row o_proj + residual",
         "packed one-row norm + qkv + RoPE + KV write, int4",
         "packed one-row o_proj + residual, int4",
-        "MXFP4 experts by the copy engine",
-        "int4 one-row gate/up by the copy engine",
     )
 
     def pdl_on(x):
@@ -324,9 +296,6 @@ def compile_launch(kernel, args, kwargs, tmp: Path) -> dict:
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
 
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     bound = dict(zip(kernel.arg_names[: len(args)], args, strict=True)) | kwargs
@@ -335,8 +304,6 @@ def compile_launch(kernel, args, kwargs, tmp: Path) -> dict:
         value = bound[param.name]
         if param.is_constexpr:
             signature[param.name], constants[param.name] = "constexpr", value
-        elif isinstance(value, TensorDescriptor):  # Gluon's copy-engine operands
-            signature[param.name] = mangle_type(value)
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + TYPES[str(value.dtype)]
             aligned[(index,)] = [["tt.divisibility", 16]]
@@ -348,8 +315,7 @@ def compile_launch(kernel, args, kwargs, tmp: Path) -> dict:
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0 and value and param.name not in kernel.do_not_specialize:
                 aligned[(index,)] = [["tt.divisibility", 16]]
-    source = (GluonASTSource if kernel.is_gluon() else ASTSource)(kernel, signature, constants,
-                                                                   aligned)  # fmt: skip
+    source = ASTSource(kernel, signature, constants, aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = tmp / f"{kernel.__name__}.ptx"
     ptx.write_text(compiled.asm["ptx"])
@@ -419,8 +385,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(reports):
     helpers = {  # called inside kernels, compiled with them
         "_mix32", "_x_tile", "quantize_e4m3", "_program_rows", "_rstd", "_row_epilogue",
         "_packed_tile", "_word_dots", "_zero_point", "_pair_dots", "_pairs_of_floats",
-        "_pairs_of_words", "_x_operand", "_dots", "_first_split", "_tma_issue", "_tma_sums",
-        "_quad",
+        "_pairs_of_words", "_x_operand", "_dots", "_first_split",
     }
     assert {report["kernel"] for report in reports.values()} == kernels - helpers  # all of them
     for name, report in reports.items():
@@ -432,8 +397,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(reports):
 
 def test_programmatic_dependent_launch_compiles_in_where_asked(reports):
     with_pdl = {name for name in reports if "with PDL" in name}
-    # paged decode in two launches and in one, four projections, the copy engine's three
-    assert len(with_pdl) == 10
+    assert len(with_pdl) == 7  # paged decode in two launches and in one, four projections
     for name, report in reports.items():
         assert report["pdl"] == (name in with_pdl), name
 

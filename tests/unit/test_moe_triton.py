@@ -202,23 +202,3 @@ def test_fused_routing_takes_the_lowest_expert_of_equal_logits(experts):
     logits[0, :8] = torch.tensor([0.5, 2.0, 1.0, 2.0, 2.0, -1.0, 0.0, 2.0])
     _, ids = moe_triton.route(logits, 3, "softmax_topk", True)
     assert ids.tolist() == [[1, 3, 4]]
-
-
-def test_copy_engine_descriptors_view_whole_chunks_and_follow_the_words():
-    """frag_tma's copy boxes: the words as [E * NT, KC, 128] (512-byte rows, one chunk of one
-    tile each), [tiles, stage, 128] at a time, built once per block shape and again when the
-    words tensor is replaced (a stale one would copy freed memory)."""
-    from noesis.kernels import frag_tma
-
-    blocks = torch.randint(0, 256, (EXPERTS, 48, HIDDEN // 32, 16), dtype=torch.uint8)
-    frags = Mxfp4Fragments.pack(blocks, torch.full(blocks.shape[:3], 127, dtype=torch.uint8))
-    experts, tiles, chunks = frags.words.shape[:3]
-    first = frag_tma.descriptor(frags, 2, 16)
-    assert list(first.shape) == [experts * tiles, chunks, 128]
-    assert list(first.block_shape) == [2, 16, 128]
-    assert first.base.data_ptr() == frags.words.data_ptr()
-    assert frag_tma.descriptor(frags, 2, 16) is first
-    assert frag_tma.descriptor(frags, 1, 8) is not first
-    object.__setattr__(frags, "words", frags.words.clone())
-    moved = frag_tma.descriptor(frags, 2, 16)
-    assert moved is not first and moved.base.data_ptr() == frags.words.data_ptr()

@@ -60,8 +60,6 @@ FRAG_TILES = ((1, 4, 2), (1, 4, 2))
 # The sorted layout over fragments: tiles of 16 rows a program for gate_up (8 columns of gate
 # and of up each) and down.
 FRAG_SORTED_TILES = (8, 4)
-# The batch-1 fragment GEMVs through the bulk copy engine (kernels/frag_tma.py) on Hopper on.
-TMA = False
 # Warps of the routing kernel: one program a token, whose k passes each reduce over the experts
 # twice. On one warp the reductions are register shuffles; on Triton's default of 4 they also
 # cross warps through shared memory (sm_90 PTX at 128 experts and top 8: 53 barriers against 0).
@@ -179,12 +177,6 @@ def _gemv_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, 
 
 def _frag_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, act, glu):
     x = word_aligned(x)  # read as int32 words
-    if TMA and x.is_cuda:
-        from noesis.kernels import frag_tma
-
-        if frag_tma.usable(x.device):
-            return frag_tma.tma_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias,
-                                        act, glu, pdl.pdl_launch(x), lambda b: _or(b, x))
     tokens, top_k = ids.shape
     hidden, inner = x.shape[1], act.shape[1]
     no_asm = not bf16x2_asm(x.device)  # the same condition: sm_80 on, not interpreted

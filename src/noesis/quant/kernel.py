@@ -58,8 +58,6 @@ CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # by `benchmarks/int4_fragments.py --tiles --save-configs` (and `--rows ... --save-configs` for
 # fragment_rows, keyed by the rows bucket too).
 FRAG_TILES = (1, 4, 2)
-# The one-row GEMV through the bulk copy engine (kernels/frag_tma.py) on Hopper on.
-TMA = False
 FRAG_CONFIG_FILE = Path(__file__).with_name("frag_configs.json")
 # The fragment matmul (more rows): tiles of 16 rows a program (its N block is 16 x this), and
 # programs along K (float32 partials, summed in a fixed order; 1: none, not yet timed beyond).
@@ -620,18 +618,13 @@ def fragment_gemv(x: torch.Tensor, frags: Int4Fragments,
     warps, split, chunks = tiles or fragment_config(frags, x.device)
     n = frags.out_features
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    fmt = INT4_F16 if x.dtype == torch.float16 else INT4_BF16
-    if m and TMA and tiles is None and x.is_cuda:
-        from noesis.kernels import frag_tma
-
-        if frag_tma.usable(x.device):
-            return frag_tma.tma_int4_gemv(x, frags, y, fmt, pdl.pdl_launch(x))
     if m:
         _int4_frag_gemv[(m, triton.cdiv(frags.tiles, warps))](
             x, frags.words, frags.params, y, N=n, NT=frags.tiles, KC=frags.chunks, K=k,
             NG=frags.groups, GC=frags.group_size // 64, WARPS=warps, KSPLIT=split, CH=chunks,
-            NO_ASM=not bf16x2_asm(x.device), FORMAT=fmt, num_warps=warps * split,
-            **pdl.pdl_launch(x),
+            NO_ASM=not bf16x2_asm(x.device),
+            FORMAT=INT4_F16 if x.dtype == torch.float16 else INT4_BF16,
+            num_warps=warps * split, **pdl.pdl_launch(x),
         )  # fmt: skip
     return y
 
