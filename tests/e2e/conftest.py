@@ -59,6 +59,9 @@ class ServerProcess:
             str(self.port),
             "--log-level",
             "warning",
+            # the safety sidecar (on by default) would score the random model's text on the
+            # CI's two cores; tests that want it pass --safety or a --sidecars file after this
+            "--no-safety",
             *args,
         ]
         full_env = {k: v for k, v in os.environ.items() if k != "NOESIS_API_KEY"}

@@ -178,3 +178,67 @@ def test_the_models_recommended_threshold_is_the_sidecars_default(tmp_path):
         (recommending / "config.json").write_text(json.dumps(config))
         with pytest.raises(CheckpointError, match="classifier.threshold"):
             EncoderClassifier(recommending)
+
+
+def _rewrite(folder, change):
+    """The folder's encoder weights (model.safetensors) passed through `change`."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in change(state).items()},
+              str(folder / "model.safetensors"))
+
+
+def _int8_rows(state, scale_dtype=torch.float32):
+    """Each matrix as int8 codes and a scale a row (the bundled classifier's storage)."""
+    out = {}
+    for name, value in state.items():
+        if value.dim() == 2 and value.is_floating_point():
+            scale = value.abs().amax(1).clamp(min=1e-12) / 127
+            out[name] = (value / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            out[name + ".row_scale"] = scale.to(scale_dtype)
+        else:
+            out[name] = value
+    return out
+
+
+def test_int8_row_storage_loads_as_its_float_values(tmp_path):
+    import shutil
+
+    texts = ["the quick brown fox", "hello world jumps over the lazy dogs", "blue"]
+    stored = classifier_dir(tmp_path / "int8")
+    original = EncoderClassifier(stored).probabilities(texts)
+    _rewrite(stored, _int8_rows)
+    as_float = tmp_path / "float"
+    shutil.copytree(stored, as_float)
+
+    def dequantize(state):
+        return {name: value.float() * state[name + ".row_scale"][:, None]
+                if value.dtype == torch.int8 else value
+                for name, value in state.items() if not name.endswith(".row_scale")}
+
+    _rewrite(as_float, dequantize)
+    got = EncoderClassifier(stored).probabilities(texts)
+    torch.testing.assert_close(got, EncoderClassifier(as_float).probabilities(texts), atol=1e-6,
+                               rtol=0)
+    assert not torch.equal(got, original)  # the codes were rounded, and that is what loads
+    torch.testing.assert_close(got, original, atol=2e-2, rtol=0)
+
+
+def test_int8_row_storage_without_its_scales_or_with_stray_ones_is_refused(tmp_path):
+    from noesis.errors import CheckpointMismatch
+
+    missing = classifier_dir(tmp_path / "missing")
+    _rewrite(missing, lambda s: {k: v for k, v in _int8_rows(s).items()
+                                 if k != "embeddings.word_embeddings.weight.row_scale"})
+    with pytest.raises(CheckpointMismatch, match="word_embeddings.weight.row_scale"):
+        EncoderClassifier(missing)
+    stray = classifier_dir(tmp_path / "stray")
+    _rewrite(stray, lambda s: {**s, "encoder.nothing.row_scale": torch.ones(3)})
+    with pytest.raises(CheckpointMismatch, match="row scales of no encoder tensor"):
+        EncoderClassifier(stray)
+    wrong = classifier_dir(tmp_path / "wrong")
+    _rewrite(wrong, lambda s: {k: v[:2] if k.endswith("word_embeddings.weight.row_scale") else v
+                               for k, v in _int8_rows(s).items()})
+    with pytest.raises(CheckpointMismatch, match="need \\["):
+        EncoderClassifier(wrong)

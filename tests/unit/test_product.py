@@ -67,6 +67,24 @@ def test_serve_has_a_flag_for_every_engine_option_and_passes_them_on(monkeypatch
     assert _serve_config(monkeypatch, []).engine.enable_prefix_caching  # serve's default
 
 
+def test_serve_runs_the_safety_sidecar_unless_told_not_to(monkeypatch, tmp_path, capsys):
+    def names(*argv):
+        sidecars = _serve_config(monkeypatch, list(argv)).engine.sidecars
+        return [spec.name for spec in sidecars.sidecars]
+
+    assert names() == ["safety"]  # the server's default
+    assert names("--no-safety") == []
+    off = tmp_path / "off.toml"
+    off.write_text("[sidecars.safety]\nenabled = false\n[sidecars.intent]\n")
+    assert names("--sidecars", str(off)) == ["intent"]
+    assert names("--sidecars", str(off), "--safety") == ["intent"]  # the file's word stands
+    # `noesis info --sidecars` lists what the server would run
+    from noesis.weights.hub import bundled_models
+
+    assert cli.main(["info", "--model", str(bundled_models()["noesis-tiny"]), "--sidecars"]) == 0
+    assert "safety" in capsys.readouterr().out.split("sidecars", 1)[1]
+
+
 @pytest.mark.parametrize("flag, value", [("--page-size", "0"), ("--dtype", "int3"),
                                          ("--gpu-memory-utilization", "2")])
 def test_a_bad_engine_flag_is_a_usage_error_naming_it(flag, value, capsys):

@@ -34,6 +34,9 @@ MODULE_TYPES = ("Transformer", "Pooling", "Normalize")  # sentence_transformers.
 # BERT's own pooler, its pre-training heads and a classifier's head (encoder_classifier.py)
 IGNORED_PREFIXES = ("pooler.", "cls.", "classifier.")
 MAX_NAMES = 10
+# A matrix may be stored as int8 codes with one float scale a row beside it, "<name>.row_scale"
+# [rows]: the bundled safety classifier's storage (half of float16's bytes), made float on load.
+ROW_SCALE = ".row_scale"
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,11 @@ def load_bert(model_dir: Path, config: BertConfig, device: torch.device) -> Bert
     index = tensor_index(checkpoint_files(model_dir))
     keys = {key.removeprefix("bert."): key for key in index
             if not key.removeprefix("bert.").startswith(IGNORED_PREFIXES)
-            and not key.endswith("position_ids")}
+            and not key.endswith(("position_ids", ROW_SCALE))}
     _check_names(params, keys)
+    stray = [k for k in index if k.endswith(ROW_SCALE) and k.removesuffix(ROW_SCALE) not in index]
+    if stray:
+        raise CheckpointMismatch(f"row scales of no encoder tensor: {stray[:MAX_NAMES]}")
     wrong = [f"{keys[n]}: checkpoint {list(index[keys[n]][1])}, model {list(p.shape)}"
              for n, p in params.items() if tuple(index[keys[n]][1]) != tuple(p.shape)]
     if wrong:
@@ -166,8 +172,23 @@ def load_bert(model_dir: Path, config: BertConfig, device: torch.device) -> Bert
         for name, param in params.items():
             path = index[keys[name]][0]
             for _, tensor in iter_tensors(path, [keys[name]]):
-                param.copy_(tensor)
+                param.copy_(_dequantized(index, keys[name], tensor))
     return model.to(device).eval()
+
+
+def _dequantized(index: dict, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as stored, or an int8 matrix times its ROW_SCALE companion's rows."""
+    if tensor.dtype != torch.int8:
+        return tensor
+    scale_key = key + ROW_SCALE
+    if tensor.dim() != 2 or scale_key not in index:
+        raise CheckpointMismatch(f"{key}: int8 {list(tensor.shape)} needs a 2-D tensor and "
+                                 f"its row scales {scale_key!r}")
+    _, scale = next(iter_tensors(index[scale_key][0], [scale_key]))
+    if tuple(scale.shape) != (tensor.shape[0],):
+        raise CheckpointMismatch(f"{scale_key}: shape {list(scale.shape)}, the rows of {key} "
+                                 f"need [{tensor.shape[0]}]")
+    return tensor.float() * scale.float()[:, None]
 
 
 def _check_names(params: dict, keys: dict[str, str]) -> None:
