@@ -65,8 +65,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--minilm-shape", type=Path, metavar="DIR",
                         help="all-MiniLM-L6-v2's config and tokenizer files (no weights): the "
                              "memory embedder and the safety classifier get random weights of "
-                             "that shape, in the bundled classifier's float16 (for a machine the "
-                             "real weights cannot reach; the cost per call is the same)")
+                             "that shape (the bundled classifier's shape: the cost per call is "
+                             "the same)")
     parser.add_argument("--sidecar-device", choices=["cpu", "cuda"], default="cpu",
                         help="where the safety classifier and the memory embedder run (the "
                              "intent router's n-gram MLP stays on the CPU)")
