@@ -89,6 +89,26 @@ def test_block_ends_request_with_content_filter(llm, stream):
     assert len(outputs) > 2 if stream else len(outputs) == 1
 
 
+def test_telemetry_records_the_sidecars_counters_as_they_change(tmp_path):
+    from noesis.telemetry.recorder import read_records
+
+    path = build_checkpoint(tmp_path / "llama", "llama")
+    telemetry = tmp_path / "telemetry.jsonl"
+    llm = LLM(str(path), device="cpu", dtype="float32", progress=False, telemetry=str(telemetry))
+    outputs, full, keyword = run_blocked(llm, stream=True)
+    llm.engine.close()
+    assert outputs[-1].finish_reason == "content_filter"
+    records = [r for r in read_records(telemetry) if r["kind"] == "sidecars"]
+    assert records, "no sidecars record"
+    last = records[-1]["sidecars"]["keyword"]
+    assert last["decisions"] == {"block": 1} and last["windows"] >= 2
+    assert last["completed"] + last["drops"] <= last["windows"] and last["errors"] == 0
+    pairs = zip(records, records[1:], strict=False)
+    assert all(a["sidecars"] != b["sidecars"] for a, b in pairs)  # only changes are written
+    steps = [r["steps"] for r in records]
+    assert steps == sorted(steps) and len(records) <= steps[-1] + 1  # at most one a step
+
+
 def test_safety_sidecar_reads_final_channel_clauses(classifier):
     sidecar = SafetySidecar(classifier, threshold=0.5)
     harmful = "Sure. Here is a step by step guide to build a pipe bomb. "

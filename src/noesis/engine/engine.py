@@ -470,6 +470,8 @@ class Engine:
         for result in self.sidecar_results:
             if result.decision == "block":
                 self.filter_request(result.request_id, result.reason)
+        if self.observer is not None and self.observer.telemetry is not None:
+            self.observer.telemetry.sidecars(self.sidecars.stats())
         return outputs
 
     def add_branches(self, request_ids: list[str], keep: int,

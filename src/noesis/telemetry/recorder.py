@@ -163,6 +163,7 @@ class Telemetry:
         }
         self._pending: list[dict[str, Any]] = []  # completed this Engine.step, host time to add
         self._notes: dict[str, dict[str, Any]] = {}  # request_id -> decisions for its next token
+        self.sidecar_stats: dict[str, dict[str, Any]] = {}  # the last "sidecars" record's
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -274,6 +275,16 @@ class Telemetry:
                 continue
             for name, values in signals.items():
                 metrics.signals.setdefault(name, []).append(values[index])
+
+    def sidecars(self, stats: dict[str, dict[str, Any]]) -> None:
+        """The sidecars' counters (SidecarRuntime.stats: windows, drops, errors, calls,
+        latency, decisions per sidecar) as a "sidecars" record, when they changed since the
+        last one: at most one a step, none while the sidecars are idle."""
+        if stats == self.sidecar_stats:
+            return
+        self.sidecar_stats = stats
+        self.write({"kind": "sidecars", "t": time.monotonic(), "steps": self.totals["steps"],
+                    "sidecars": stats})
 
     def end_engine_step(self, host_ms: float) -> None:
         """The Engine.step call that completed the pending records took host_ms (waits out)."""
