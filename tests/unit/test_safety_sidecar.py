@@ -233,3 +233,22 @@ def test_fail_closed_drop_blocks_and_metrics_show_it():
     latency = {s.name: s.value for s in families["noesis_sidecar_latency_seconds"].samples
                if s.labels.get("le") in (None, "+Inf")}
     assert latency["noesis_sidecar_latency_seconds_count"] == 2
+
+
+def test_the_server_start_up_log_names_the_sidecars_that_run(tmp_path, caplog):
+    import logging
+
+    from noesis.engine.engine import Engine, EngineConfig
+    from noesis.engine.loop import warm_up
+
+    path = build_checkpoint(tmp_path / "llama", "llama")
+    engine = Engine(str(path), EngineConfig(device="cpu", dtype="float32",
+                                            sidecars=load_sidecars(safety=True)))
+    try:
+        with caplog.at_level(logging.INFO, logger="noesis"):
+            warm_up(engine)
+    finally:
+        engine.sidecars.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sidecar ")]
+    assert len(lines) == 1 and "safety: safety, model " in lines[0]
+    assert lines[0].endswith("threshold the model's")

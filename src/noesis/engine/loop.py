@@ -186,11 +186,14 @@ class _ChildPipes:
 
 def warm_up(engine: Engine) -> None:
     """Before serving: on CUDA, run one short request (first-call costs paid before the first
-    client's); either way, log the start-up timing buckets."""
+    client's); either way, log the start-up timing buckets and the sidecars that run."""
     if engine.device.type == "cuda":
         engine.warm_up()
     else:
         log.info("engine ready: %s", format_timings(engine.timings))
+    sidecars = engine.config.sidecars
+    for spec in sidecars.sidecars if sidecars is not None else ():
+        log.info("sidecar %s", spec.describe())
 
 
 def setup_logging(level: str) -> None:
