@@ -819,7 +819,7 @@ def main() -> None:
     start = time.perf_counter()
     if args.soup:  # no training: the mean of earlier --save runs' layers and head
         model.load_state(soup([Path(d) / "head.safetensors" for d in args.soup]))
-        losses = [float("nan")] * 50
+        losses = []
     else:
         losses = train(model, encode(embedder, [t for t, _ in train_rows], args.max_tokens),
                        [y for _, y in train_rows], args)
@@ -831,7 +831,8 @@ def main() -> None:
     table = measure(model, embedder, test_sets(real, args.seed), args, val_threshold)
     summary = {"command": "python scripts/train_safety_encoder.py " + " ".join(sys.argv[1:]),
                "train_examples": len(train_rows), "near_harmbench_dropped": len(near),
-               "train_seconds": round(seconds, 1), "final_loss": sum(losses[-50:]) / 50,
+               "train_seconds": round(seconds, 1),
+               "final_loss": sum(losses[-50:]) / 50 if losses else None,  # a soup trains none
                "soup": [soup_run(Path(d)) for d in args.soup or ()],
                "threshold": args.threshold, "val_ceiling": args.val_ceiling,
                "val_threshold": val_threshold,
