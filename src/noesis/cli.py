@@ -332,11 +332,14 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="a sentence-embedding checkpoint (BERT family) to serve on /v1/embeddings beside "
              "the model, named by its directory (repeatable)",
     )
-    _add_sidecar_args(parser)
+    _add_sidecar_args(parser, server=True)
     _add_limit_args(parser)
 
 
-def _add_sidecar_args(parser: argparse.ArgumentParser, listing: bool = False) -> None:
+def _add_sidecar_args(parser: argparse.ArgumentParser, listing: bool = False,
+                      server: bool = False) -> None:
+    """--sidecars and --safety; `server`: the command runs (or, `listing`, lists) the server's
+    sidecars, where safety is on by default."""
     group = parser.add_argument_group("sidecars (side models beside the decode: noesis.sidecars)")
     group.add_argument(
         "--sidecars", metavar="FILE", nargs="?" if listing else None,
@@ -346,7 +349,7 @@ def _add_sidecar_args(parser: argparse.ArgumentParser, listing: bool = False) ->
               "a .toml or .json file whose [sidecars] tables configure the sidecars (safety, "
               "intent, contradiction: threshold, policy, cadence, placement)"),
     )
-    server = listing or parser.prog.endswith("serve")
+    server = server or listing
     group.add_argument(
         "--safety", action=argparse.BooleanOptionalAction, default=None,
         help="the safety sidecar: a classifier reads each clause of the answer and ends a "
