@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from noesis.quant.quantize import quantize_int8
 from noesis.sidecars.embedder import ROW_SCALE, SentenceEmbedder, padded, pool
 from noesis.sidecars.safety import split_clauses
 from noesis.tiny import corpus
@@ -754,8 +755,13 @@ def scores(model: EncoderClassifier, ids: list[list[int]], batch_size: int = 64)
 def text_scores(model: EncoderClassifier, embedder: SentenceEmbedder, texts: list[str],
                 max_tokens: int) -> list[float]:
     """Each text's highest clause p(unsafe): what the sidecar acts on."""
+    return highest_clause(texts, lambda flat: scores(model, encode(embedder, flat, max_tokens)))
+
+
+def highest_clause(texts: list[str], score) -> list[float]:
+    """Each text's highest clause score, `score` taking every text's clauses in one list."""
     clauses = [split_clauses(t) or [t] for t in texts]
-    flat = scores(model, encode(embedder, [c for cs in clauses for c in cs], max_tokens))
+    flat = score([c for cs in clauses for c in cs])
     out, at = [], 0
     for cs in clauses:
         out.append(max(flat[at: at + len(cs)]))
@@ -888,9 +894,9 @@ def export(model: EncoderClassifier, embedder: SentenceEmbedder, folder: Path, a
     for name, value in model.bert.named_parameters():
         value = value.detach().float()
         if value.dim() == 2:  # int8 codes and a scale a row (embedder.ROW_SCALE)
-            scale = value.abs().amax(1).clamp(min=1e-12) / 127
-            state[name] = (value / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-            state[name + ROW_SCALE] = scale
+            codes, zeros, scales = quantize_int8(value, -1)  # `noesis quantize`'s, per row
+            state[name] = (codes - zeros).to(torch.int8)
+            state[name + ROW_SCALE] = scales[:, 0]
         else:
             state[name] = value.half()
     state |= {f"classifier.{k}": v.detach().float() for k, v in model.head.state_dict().items()}
@@ -913,19 +919,13 @@ def stored_rates(folder: Path, sets: dict, threshold: float, limit: int) -> dict
     from noesis.sidecars.encoder_classifier import EncoderClassifier as Stored
 
     stored = Stored(folder)
-    rates = {}
-    for name, (texts, _, _) in sets.items():
-        texts = texts[:limit] if limit else texts
-        clauses = [split_clauses(t) or [t] for t in texts]
-        flat = [c for cs in clauses for c in cs]
-        p = torch.cat([stored.probabilities(flat[i: i + 64])[:, 1]
-                       for i in range(0, len(flat), 64)]).tolist()
-        highest, at = [], 0
-        for cs in clauses:
-            highest.append(max(p[at: at + len(cs)]))
-            at += len(cs)
-        rates[name] = flagged(highest, threshold)
-    return rates
+
+    def score(flat: list[str]) -> list[float]:
+        return torch.cat([stored.probabilities(flat[i: i + 64])[:, 1]
+                          for i in range(0, len(flat), 64)]).tolist()
+
+    return {name: flagged(highest_clause(texts[:limit] if limit else texts, score), threshold)
+            for name, (texts, _, _) in sets.items()}
 
 
 def write_card(folder: Path, summary: dict) -> None:

@@ -189,14 +189,17 @@ def _rewrite(folder, change):
               str(folder / "model.safetensors"))
 
 
-def _int8_rows(state, scale_dtype=torch.float32):
-    """Each matrix as int8 codes and a scale a row (the bundled classifier's storage)."""
+def _int8_rows(state):
+    """Each matrix as int8 codes and a scale a row (the bundled classifier's storage, as
+    train_safety_encoder.py --export writes it with noesis quantize's int8 rounding)."""
+    from noesis.quant.quantize import quantize_int8
+
     out = {}
     for name, value in state.items():
         if value.dim() == 2 and value.is_floating_point():
-            scale = value.abs().amax(1).clamp(min=1e-12) / 127
-            out[name] = (value / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-            out[name + ".row_scale"] = scale.to(scale_dtype)
+            codes, zeros, scales = quantize_int8(value, -1)
+            out[name] = (codes - zeros).to(torch.int8)
+            out[name + ".row_scale"] = scales[:, 0]
         else:
             out[name] = value
     return out
@@ -213,7 +216,7 @@ def test_int8_row_storage_loads_as_its_float_values(tmp_path):
     shutil.copytree(stored, as_float)
 
     def dequantize(state):
-        return {name: value.float() * state[name + ".row_scale"][:, None]
+        return {name: value.float() * state[name + ".row_scale"].float()[:, None]
                 if value.dtype == torch.int8 else value
                 for name, value in state.items() if not name.endswith(".row_scale")}
 
