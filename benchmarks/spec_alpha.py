@@ -37,6 +37,11 @@ Rows (batch 1 unless said; speedup = plain seconds / speculative seconds for the
   costs what k + 1 one-token rows cost), each the median interval between engine steps in the
   decode phase. What the prediction leaves out (the verify's sampling, the proposal's host
   work, the step that cannot overlap the next one's planning) is the gap to the measured speedup.
+- `--draft-variants` (default `16`: the draft as built): one set of batch-1 rows per variant,
+  `BITS[:VOCAB]`: `4` the draft quantized to int4 by `noesis quantize` (group 128), `8` int8;
+  `:VOCAB` its LM head cut to VOCAB rows (SpeculativeConfig.draft_vocab). E.g. `16,4,4:32768`.
+  The oracle makes alpha independent of the draft's quality, so the rows differ in draft cost
+  only. The large-batch and lookup rows run with the first variant.
 - batch `--large-batch` (64): plain and two oracle rows. Speculation should pause itself there
   (the verify step would not fit the captured graphs): `proposed` = 0 and speedup ~1.
 - `ngram` (workload `edit`: a code listing, then a request to rewrite it with one identifier
@@ -60,6 +65,7 @@ import math
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -432,15 +438,53 @@ def oracle_row(spec, driver, outcomes, prompts, references, args, *, alpha, k, i
     }
 
 
-def measure_spec(args, prompts, references, plain_s, step_s) -> list[dict]:
+@dataclass(frozen=True)
+class Variant:
+    """A draft variant (--draft-variants): its table tag, checkpoint and head rows."""
+
+    tag: str
+    path: str
+    vocab: int | None
+
+
+def variants(args) -> list[Variant]:
+    """Parse --draft-variants, quantizing the draft where a variant asks (once per bits)."""
+    out = []
+    for spec in args.draft_variants.split(","):
+        bits, _, vocab = spec.strip().partition(":")
+        if bits not in ("16", "8", "4") or (vocab and not vocab.isdigit()):
+            raise SystemExit(f"--draft-variants: {spec!r} is not BITS[:VOCAB] (BITS 16, 8 or 4)")
+        path, tag = args.draft, "draft"
+        if bits != "16":
+            name = f"{Path(args.draft).name}-int{bits}"  # beside the built checkpoints
+            path, tag = str(Path(tempfile.gettempdir()) / "noesis-bench" / name), f"int{bits}"
+            if not (Path(path) / "config.json").exists():
+                from noesis.quant.quantize import quantize_checkpoint
+
+                start = time.perf_counter()
+                group = 64 if args.smoke else None  # the tiny draft's 192 columns
+                quantize_checkpoint(Path(args.draft), Path(path), int(bits), group)
+                print(f"quantized the draft to int{bits} at {path} in "
+                      f"{time.perf_counter() - start:.0f} s", flush=True)
+        if vocab:
+            tag += f"/{int(vocab) // 1024}k" if int(vocab) >= 1024 else f"/{vocab}"
+        out.append(Variant(tag, path, int(vocab) if vocab else None))
+    return out
+
+
+def measure_spec(args, prompts, references, plain_s, step_s, variant: Variant,
+                 extras: bool = True) -> list[dict]:
+    """The batch-1 oracle rows over `variant`'s draft; with `extras` also the large-batch and
+    lookup rows."""
     from noesis import SpeculativeConfig
 
     base = SpeculativeConfig(
         method="draft",
-        draft=args.draft,
+        draft=variant.path,
         k=max(args.depths),
         adaptive=False,
         entropy_cutoff=math.inf,
+        draft_vocab=variant.vocab,
     )
     llm = build(args.model, args, base)
     spec, driver = llm.engine.speculator, Driver(llm.engine)
@@ -464,12 +508,15 @@ def measure_spec(args, prompts, references, plain_s, step_s) -> list[dict]:
                 alpha=alpha,
                 k=k,
                 inner=draft,
-                tag="draft",
+                tag=variant.tag,
             )
             c_draft = row["draft_ms"] / (1e3 * step_s[1])
             row["reference_leaves_plain_at"] = flip
             row["predicted"] = predicted(alpha, k, c_draft, step_s[k + 1] / step_s[1])
             rows.append(finish(row, "text", 1, plain_s["text"], args))
+    if not extras:
+        release(llm)
+        return rows
     for alpha, k in args.large_rows:
         spec.config = replace(base, k=k)
         row = oracle_row(
@@ -543,7 +590,7 @@ def finish(row: dict, workload: str, batch: int, plain_seconds: float, args) -> 
 
 
 HEAD = (
-    f"{'workload':<9}{'batch':>5} {'method':<7}{'alpha':>6}{'k':>3}{'tok/s':>9}"
+    f"{'workload':<9}{'batch':>5} {'method':<9}{'alpha':>6}{'k':>3}{'tok/s':>9}"
     f"{'speedup':>9}{'predicted':>10}{'alpha~':>8}{'tok/verify':>11}{'draft ms':>9}"
     f"{'proposed':>9}{'agree':>10}{'identical':>10}"
 )
@@ -554,7 +601,7 @@ def line(r: dict) -> str:
         return "-" if value is None else format(value, spec)
 
     return (
-        f"{r['workload']:<9}{r['batch']:>5} {r['tag']:<7}{num(r['alpha'], '.2f'):>6}"
+        f"{r['workload']:<9}{r['batch']:>5} {r['tag']:<9}{num(r['alpha'], '.2f'):>6}"
         f"{num(r['k'], 'd'):>3}{r['tok_s']:>9.1f}{r['speedup']:>8.2f}x"
         f"{num(r['predicted'], '.2f'):>9}x{num(r['alpha_measured'], '.3f'):>8}"
         f"{num(r['tokens_per_verify'], '.2f'):>11}{num(r['draft_ms'], '.2f'):>9}"
@@ -632,9 +679,16 @@ def parse(argv) -> argparse.Namespace:
         "--lookup-alpha", type=float, help="alpha of the lookup oracle row (default: the replay's)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--draft-variants", default="16",
+        help="comma list of BITS[:VOCAB] draft variants (see the module doc), e.g. 16,4,4:32768",
+    )
+    parser.add_argument("--alphas", help="comma list (default 0.5,0.65,0.8,0.9)")
+    parser.add_argument("--depths", help="comma list (default 2..8)")
     parser.add_argument("--json", help="also write the rows and the setup here")
     args = parser.parse_args(argv)
-    args.alphas, args.depths = ALPHAS, DEPTHS
+    args.alphas = tuple(map(float, args.alphas.split(","))) if args.alphas else ALPHAS
+    args.depths = tuple(map(int, args.depths.split(","))) if args.depths else DEPTHS
     args.large_rows = [(0.8, 4), (0.9, 8)]
     if args.smoke:
         args.model, args.draft, args.device, args.dtype = (
@@ -666,7 +720,8 @@ def main(argv: list[str] | None = None) -> dict:
     references, plain_s, step_s = measure_plain(args, prompts, args.depths)
     print("speculative engine (one, its config and proposer swapped per row)", flush=True)
     rows = plain_rows(plain_s, prompts, args)
-    rows += measure_spec(args, prompts, references, plain_s, step_s)
+    for i, variant in enumerate(variants(args)):
+        rows += measure_spec(args, prompts, references, plain_s, step_s, variant, extras=i == 0)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(
         f"\nspeculative decoding, acceptance-controlled: target {args.model}, draft "

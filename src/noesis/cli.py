@@ -251,23 +251,34 @@ def _add_speculative_args(parser: argparse.ArgumentParser, draft_flag: bool = Tr
         "--num-speculative-tokens", type=_int_in(1, 16), metavar="K",
         help="most tokens proposed per step; the depth adapts below it (default 4)",
     )
+    group.add_argument(
+        "--draft-vocab", type=_int_in(256, 1 << 24), metavar="N",
+        help="the draft's LM head keeps only the N lowest token ids (roughly the most "
+        "frequent) and the control tokens: cheaper drafting at a large vocabulary; output "
+        "unchanged, acceptance may fall (default: the whole head)",
+    )
 
 
 def _speculative(args: argparse.Namespace):
     """The SpeculativeConfig the flags ask for, or None (speculation off)."""
     from noesis.errors import ConfigError
 
-    method, k = args.speculative_method, args.num_speculative_tokens
+    method, k, vocab = args.speculative_method, args.num_speculative_tokens, args.draft_vocab
     if method is None:
         if k is not None:
             raise ConfigError("--num-speculative-tokens needs --speculative-method")
+        if vocab is not None:
+            raise ConfigError("--draft-vocab needs --speculative-method draft")
         return None
     from noesis.speculative import SpeculativeConfig
 
     draft = None
     if method == "draft":
         draft = args.draft or _bundled_draft(args)
-    return SpeculativeConfig(method=method, draft=draft, k=k if k is not None else 4)
+    if vocab is not None and method != "draft":
+        raise ConfigError("--draft-vocab needs --speculative-method draft")
+    return SpeculativeConfig(method=method, draft=draft, k=k if k is not None else 4,
+                             draft_vocab=vocab)
 
 
 def _bundled_draft(args: argparse.Namespace) -> str:

@@ -59,12 +59,15 @@ def run(dtype: str, speculative, temperature: float = 0.0, **options):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "draft-cut", "ngram"])
 def test_greedy_speculation_matches_plain_on_cuda(dtype, method):
+    """draft-cut: the draft's LM head cut to 2,048 of its 8,192 rows (draft_vocab)."""
     from noesis import SpeculativeConfig
 
+    vocab = 2048 if method == "draft-cut" else None
+    method = method.removesuffix("-cut")
     draft = str(MODELS / "noesis-tiny-draft") if method == "draft" else None
-    config = SpeculativeConfig(method=method, draft=draft, k=4)
+    config = SpeculativeConfig(method=method, draft=draft, k=4, draft_vocab=vocab)
     plain, _ = run(dtype, None)
     speculated, counts = run(dtype, config)
     identical = sum(a == b for a, b in zip(plain, speculated, strict=True))

@@ -23,6 +23,7 @@ from noesis.structured import GrammarSpec
 # into); the others are the invariance tests' prompts.
 BATCH = [PROMPTS[0], PROMPTS[1], [3, 14, 15, 92, 65] * 3, PROMPTS[3]]
 SAMPLED = dict(temperature=0.9, top_p=0.95, max_tokens=10, ignore_eos=True)
+HEAD_ROWS = 300  # of the test checkpoints' 600 tokens: about half of any output is outside
 
 
 def greedy(max_tokens=14, **options):
@@ -31,11 +32,14 @@ def greedy(max_tokens=14, **options):
 
 def spec_config(checkpoints, method: str, **options) -> SpeculativeConfig:
     """'ngram'; 'self': the target as its own draft (every proposal accepted); 'near': the
-    target with a perturbed output layer (some accepted); 'draft': a random model of another
+    target with a perturbed output layer (some accepted); 'near-head': that draft with its LM
+    head cut to HEAD_ROWS of the 600 tokens (draft_vocab); 'draft': a random model of another
     shape (nearly all rejected)."""
     options = {"adaptive": False, "k": 3, **options}
     if method == "ngram":
         return SpeculativeConfig(method="ngram", ngram_min=1, **options)
+    if method == "near-head":
+        method, options = "near", {"draft_vocab": HEAD_ROWS, **options}
     draft = {
         "self": checkpoints.path("llama"),
         "near": near_draft(checkpoints),
@@ -67,7 +71,7 @@ def plain(checkpoints):
     return checkpoints.llm("llama")
 
 
-@pytest.fixture(scope="module", params=["ngram", "self", "near"])
+@pytest.fixture(scope="module", params=["ngram", "self", "near", "near-head"])
 def speculating(request, checkpoints):
     return checkpoints.new_llm("llama", speculative=spec_config(checkpoints, request.param))
 
@@ -226,17 +230,23 @@ def test_a_failure_of_one_speculating_request_ends_it_alone(checkpoints, plain, 
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("residual", [True, False], ids=["exact", "no-residual"])
+@pytest.mark.parametrize(
+    "residual, draft",
+    [(True, "near"), (False, "near"), (True, "near-head")],
+    ids=["exact", "no-residual", "cut-head"],
+)
 def test_sampled_speculation_follows_the_target_distribution(
-    checkpoints, plain, monkeypatch, residual
+    checkpoints, plain, monkeypatch, residual, draft
 ):
     """The first two tokens under top-k 3 (9 possible pairs; 3 are generated so that one
     proposal fits): the second comes from a verify row whose draft is the target with a
     perturbed output layer (some proposals accepted, some replaced by residual draws). The pair
     frequencies over 300 seeds against the exact probabilities from the plain model's logprobs,
     by a chi-square test: p > 0.001 (it was 0.49), and p < 0.001 (it was 7e-6) when the
-    residual correction is removed (a rejected proposal redrawn from the target alone). Fixed
-    seeds: deterministic."""
+    residual correction is removed (a rejected proposal redrawn from the target alone). With
+    the draft's head cut to HEAD_ROWS tokens (q is 0 on the rest, some of the target's top 3
+    among them: only the residual draw can give those) the test passes too. Fixed seeds:
+    deterministic."""
     prompt, top_k, n = BATCH[0], 3, 300
     first = plain.generate([prompt], greedy(max_tokens=1, logprobs=top_k))[0].logprobs[0]
     exact = {}
@@ -246,7 +256,7 @@ def test_sampled_speculation_follows_the_target_distribution(
             exact[(token, token2)] = lp * lp2
     if not residual:
         monkeypatch.setattr(verify_module, "_residual", lambda p, q: p)
-    llm = checkpoints.new_llm("llama", speculative=spec_config(checkpoints, "near", k=2))
+    llm = checkpoints.new_llm("llama", speculative=spec_config(checkpoints, draft, k=2))
     params = [
         SamplingParams(temperature=1.0, top_k=top_k, seed=s, max_tokens=3, ignore_eos=True)
         for s in range(n)
@@ -256,6 +266,8 @@ def test_sampled_speculation_follows_the_target_distribution(
     counts = {pair: 0 for pair in exact}
     for out in outs:
         counts[tuple(out.token_ids[:2])] += 1  # KeyError: a pair outside the top-k support
+    if draft == "near-head":  # the case it tests: pairs the draft can never propose occur
+        assert any(pair[1] >= HEAD_ROWS and counts[pair] for pair in exact)
     statistic = sum((counts[c] - n * p) ** 2 / (n * p) for c, p in exact.items())
     assert (_chi2_sf(statistic, len(exact) - 1) > 1e-3) == residual, (counts, exact)
     assert_idle(llm)
@@ -300,6 +312,67 @@ def test_cli_flags_build_the_config():
         parsed("generate", "-p", "x", "--num-speculative-tokens", "3")
     with pytest.raises(ConfigError, match="needs --draft"):
         parsed("generate", "-p", "x", "-m", "/elsewhere", "--speculative-method", "draft")
+    spec = parsed("chat", "--speculative-method", "draft", "--draft-vocab", "32768")
+    assert (spec.method, spec.draft_vocab) == ("draft", 32768)
+    assert parsed("serve", "--speculative-method", "draft").draft_vocab is None
+    for method in ([], ["--speculative-method", "ngram"]):
+        with pytest.raises(ConfigError, match="--draft-vocab needs --speculative-method draft"):
+            parsed("generate", "-p", "x", *method, "--draft-vocab", "1000")
+    with pytest.raises(SystemExit):  # argparse: below the smallest head
+        parsed("generate", "-p", "x", "--speculative-method", "draft", "--draft-vocab", "10")
+
+
+def test_a_cut_head_proposes_its_own_rows_and_output_is_unchanged(checkpoints, plain):
+    """draft_vocab: every proposal is a kept row (ids below HEAD_ROWS, or an end-of-sequence
+    id), greedy output equals plain decoding, and proposals the target's tokens outside the
+    head would need are rejected: the target as its own draft, whole, accepts every proposal;
+    cut, it accepts fewer."""
+    prompts, params = [BATCH[0], BATCH[3]], greedy(max_tokens=20)
+    expected = plain.generate(prompts, params)
+    outs = {}
+    for vocab in (None, HEAD_ROWS):
+        llm = checkpoints.new_llm("llama", speculative=spec_config(
+            checkpoints, "self", draft_vocab=vocab))  # fmt: skip
+        draft = llm.engine.speculator.proposer
+        seen = []
+        propose = draft.propose
+
+        def recording(*args, _propose=propose, _seen=seen, **kwargs):
+            proposals = _propose(*args, **kwargs)
+            _seen.extend(proposals.proposed.flatten().tolist())
+            return proposals
+
+        draft.propose = recording
+        outs[vocab] = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs[vocab]] == [o.token_ids for o in expected]
+        if vocab is not None:
+            kept = set(draft.head_ids.tolist())
+            assert draft.model.lm_head.weight.shape[0] == len(kept) < 600
+            assert set(range(HEAD_ROWS)) <= kept and all(t in kept for t in seen)
+        assert_idle(llm)
+    whole, cut = (sum(o.spec_accepted for o in outs[v]) for v in (None, HEAD_ROWS))
+    assert all(o.spec_accepted == o.spec_proposed for o in outs[None])
+    assert any(t >= HEAD_ROWS for o in expected for t in o.token_ids)  # the case it tests
+    assert cut < whole
+
+
+def test_a_grammar_that_allows_only_cut_rows_still_gets_valid_proposals():
+    """A row whose grammar masks every kept head row: its widened logits (OUTSIDE_HEAD
+    elsewhere) still give a finite distribution, uniform over what the grammar allows, and a
+    proposal from it; an unmasked row gives the cut rows probability exactly 0."""
+    import torch
+
+    from noesis.speculative.draft import OUTSIDE_HEAD, _pick
+
+    vocab, kept = 10, torch.tensor([0, 1, 2, 3])
+    narrow = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.3, 0.2, 0.1, 0.0]])
+    wide = torch.full((2, vocab), OUTSIDE_HEAD).index_copy_(1, kept, narrow)
+    wide[1, :4] = -math.inf  # row 1's grammar allows tokens 4.. only
+    wide[1, 9] = -math.inf  # ...and not 9
+    token, q = _pick(wide, torch.zeros((2, 0), dtype=torch.int64), None, 0)
+    assert torch.isfinite(q).all() and torch.allclose(q.sum(dim=1), torch.ones(2))
+    assert int(token[0]) == 0 and (q[0, 4:] == 0).all()
+    assert 4 <= int(token[1]) < 9 and torch.allclose(q[1, 4:9], torch.full((5,), 0.2))
 
 
 def test_a_request_backs_off_when_its_proposals_keep_failing(checkpoints, plain):
@@ -327,7 +400,7 @@ def test_no_speculation_while_the_batch_is_over_max_batch(checkpoints, plain):
     assert alone.token_ids == expected[0].token_ids and alone.spec_proposed > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "near"])
+@pytest.mark.parametrize("method", ["ngram", "near", "near-head"])
 def test_verify_and_draft_steps_through_the_graph_buffers(checkpoints, plain, method):
     """The CUDA graph path, run eagerly on the CPU (capture=False): verify rows as graph rows
     (one per verified position) and a draft's k steps through its own staged buffers give the
@@ -347,11 +420,11 @@ def test_verify_and_draft_steps_through_the_graph_buffers(checkpoints, plain, me
     assert verify["graph"] > 0 and verify["eager"] == 0
     assert engine.runner.graphs.replays == engine.runner.step_counts["graph"]
     draft = engine.speculator.proposer
-    if method == "near":
+    if method != "ngram":
         assert draft.graphs.replays >= 2 * verify["graph"]  # k = 3 steps, prompt feeds eager
     (want,) = plain.generate([BATCH[2]], greedy())
     (alone,) = llm.generate([BATCH[2]], greedy())
     assert alone.token_ids == want.token_ids and alone.spec_proposed > 0
-    if method == "near":  # some accepted, some rejected: the draft's cache resynced both ways
+    if method != "ngram":  # some accepted, some rejected: the draft's cache resynced both ways
         assert 0 < engine.spec_counts["accepted"] < engine.spec_counts["proposed"]
     assert_idle(llm)

@@ -88,3 +88,20 @@ def test_lookup_replay_finds_the_copied_listing():
 
     replay = spec_alpha.lookup_replay(Chars(), 4)
     assert 0.5 < replay["lookup_alpha"] < 1.0 and replay["lookup_tokens_per_step"] > 1.5
+
+
+def test_draft_variants_parse_bits_and_head_rows():
+    args = spec_alpha.parse(["--draft", "/some/draft", "--draft-variants", "16, 16:32768,16:300"])
+    got = spec_alpha.variants(args)
+    assert [(v.tag, v.path, v.vocab) for v in got] == [
+        ("draft", "/some/draft", None),
+        ("draft/32k", "/some/draft", 32768),
+        ("draft/300", "/some/draft", 300),
+    ]
+    for bad in ("3", "4:x", "16:"):
+        args.draft_variants = bad
+        if bad == "16:":  # an empty head size is the whole head
+            assert spec_alpha.variants(args)[0].vocab is None
+            continue
+        with pytest.raises(SystemExit, match="BITS"):
+            spec_alpha.variants(args)

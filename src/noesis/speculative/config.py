@@ -10,6 +10,7 @@ from noesis.errors import ConfigError
 METHODS = ("draft", "ngram")
 MAX_DEPTH = 16  # verify runs k + 1 target positions per row; past ~16 acceptance decays to nothing
 MAX_NGRAM = 64
+MIN_DRAFT_VOCAB = 256  # a head smaller than the byte-level alphabet cannot spell most text
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ class SpeculativeConfig:
       their proposals exceed the largest graph (min(max_num_seqs * (k + 1), 128) rows, so at
       k=4 beyond 25 running): an eager verify step costs ~20 graph steps on a launch-bound
       model, and 128+ tokens per forward nears the compute-bound regime of a large one.
+    - draft_vocab=None: the draft's LM head scores every token. N: it keeps N rows only, the
+      tokens with the N lowest ids (BPE vocabularies number their tokens in merge order and
+      SentencePiece ones by score, so these are roughly the most frequent) plus every control
+      token and end-of-sequence id, and proposes from those alone. The head is most of a small
+      draft's bytes at a 100k+ vocabulary, so each drafted token reads less; verification stays
+      exact (a token the draft cannot propose is still what the target may pick), only the
+      acceptance can fall. Unused by "ngram".
     """
 
     method: str
@@ -55,6 +63,7 @@ class SpeculativeConfig:
     max_reprobe_after: int = 256
     entropy_cutoff: float = 3.0
     max_batch: int | None = None
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         self._check_method()
@@ -73,6 +82,13 @@ class SpeculativeConfig:
                    hint=" (and at least reprobe_after)")
         if self.max_batch is not None:
             _check_int("max_batch", self.max_batch, 1, 1 << 20)
+        if self.draft_vocab is not None:
+            _check_int("draft_vocab", self.draft_vocab, MIN_DRAFT_VOCAB, 1 << 24)
+            if self.method != "draft":
+                raise ConfigError(
+                    f"SpeculativeConfig.draft_vocab is only used with method='draft'; got "
+                    f"{self.draft_vocab!r} with method={self.method!r}"
+                )
         if not _is_number(self.entropy_cutoff) or not self.entropy_cutoff > 0:
             raise ConfigError(
                 f"SpeculativeConfig.entropy_cutoff must be a positive number of nats (math.inf "

@@ -3,12 +3,16 @@ tokens. It keeps its own paged KV cache (its own pool and page allocator), so a 
 the tokens the draft has not seen, then one decode per drafted token; no host sync while drafting.
 With `capture_graphs` (CUDA) those k steps replay the draft's own decode graphs (the feed's
 tokens as one row each), their inputs copied to the device in one transfer.
+
+A draft may keep only some rows of its LM head (`restrict_head`, SpeculativeConfig.draft_vocab):
+its logits over those tokens are widened back to the vocabulary with every other token at
+OUTSIDE_HEAD, so that the sampler's processing and the distributions q stay the target's shape.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +30,12 @@ from noesis.speculative.grammar import DraftGuide
 from noesis.speculative.proposer import Proposals, entropy_of, lengths_under_entropy
 from noesis.speculative.verify import adjusted, draft_race, row_argmax, scores
 from noesis.structured.matcher import GrammarMatcher
+
+# The logit of a token outside a restricted head: far below any real logit, so that its
+# probability is exactly 0 after a softmax beside them, yet finite through temperatures and
+# penalties, so that a row whose grammar allows only such tokens still gets a distribution
+# (uniform over them) and a valid proposal instead of NaNs.
+OUTSIDE_HEAD = -1e30
 
 
 @dataclass(slots=True)
@@ -60,6 +70,36 @@ class DraftProposer:
         self.entropy_cutoff = entropy_cutoff
         self._seqs: dict[object, _DraftSeq] = {}
         self.graphs: CudaGraphRunner | None = None
+        self.head_ids: torch.Tensor | None = None  # the rows the LM head keeps (restrict_head)
+
+    def restrict_head(self, token_ids: Sequence[int]) -> None:
+        """Keep only these rows of the draft's LM head (before capture_graphs): each drafting
+        step projects onto them alone and proposes only them. A tied head is copied out of the
+        embedding, which stays whole; an untied one is replaced, freeing its other rows."""
+        model = self.model
+        if not hasattr(model, "lm_head"):
+            raise ConfigError(
+                f"SpeculativeConfig.draft_vocab: a {type(model).__name__} draft has no LM head "
+                "to restrict; leave draft_vocab unset for it"
+            )
+        ids = sorted(set(token_ids))
+        if not ids or ids[0] < 0 or ids[-1] >= self.vocab_size:
+            raise ConfigError(f"draft head rows must be token ids in [0, {self.vocab_size})")
+        full = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        index = torch.tensor(ids, dtype=torch.int64, device=full.device)
+        head = torch.nn.Linear(full.shape[1], len(ids), bias=False, device=full.device,
+                               dtype=full.dtype)
+        head.weight = torch.nn.Parameter(full.detach()[index].contiguous(), requires_grad=False)
+        model.lm_head = head
+        self.head_ids = index.to(self.device)
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the kept head rows [r, H] -> over the vocabulary [r, V] (the rest at
+        OUTSIDE_HEAD); unchanged when the head is whole."""
+        if self.head_ids is None:
+            return logits
+        wide = logits.new_full((logits.shape[0], self.vocab_size), OUTSIDE_HEAD)
+        return wide.index_copy_(1, self.head_ids, logits)
 
     def capture_graphs(self, max_batch: int, capture: bool = True) -> float:
         """Capture the draft's decode graphs of up to `max_batch` rows; the seconds it took.
@@ -72,9 +112,11 @@ class DraftProposer:
 
     @classmethod
     def load(cls, checkpoint: str, target_vocab_size: int, device="auto", dtype="auto",
-             kv_memory: int | None = None, **kwargs) -> DraftProposer:
+             kv_memory: int | None = None, head_ids: Sequence[int] | None = None,
+             **kwargs) -> DraftProposer:
         """Load the draft checkpoint; its vocabulary must be the target's (q rows align).
-        With `kv_memory` (bytes), num_pages is capped to the pages that fit in it."""
+        With `kv_memory` (bytes), num_pages is capped to the pages that fit in it; with
+        `head_ids`, the LM head keeps those rows only (restrict_head)."""
         loaded = load_model(checkpoint, device, dtype, progress=False)
         if loaded.config.vocab_size != target_vocab_size:
             raise ConfigError(
@@ -85,7 +127,10 @@ class DraftProposer:
         if kv_memory is not None:
             per_page = page_bytes(loaded.config, kwargs.get("page_size", 16), loaded.dtype)
             kwargs["num_pages"] = max(1, min(kwargs["num_pages"], kv_memory // per_page))
-        return cls(loaded, **kwargs)
+        proposer = cls(loaded, **kwargs)
+        if head_ids is not None:
+            proposer.restrict_head(head_ids)
+        return proposer
 
     @torch.inference_mode()
     def propose(self, request_ids: Sequence[object], histories: Sequence[Sequence[int]],
@@ -157,9 +202,9 @@ class DraftProposer:
         step_logits = self._graph_steps(seqs, histories, k)
         q, entropy, cut = [], [], self.entropy_cutoff != math.inf
         for j in range(k):
-            logits = step_logits(j, drafted) if step_logits is not None else (  # [r, V]
+            logits = self._widen(step_logits(j, drafted) if step_logits is not None else (
                 self._feed_history(seqs, histories) if j == 0 else
-                self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
+                self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths])))  # [r, V]
             if guide is not None:
                 logits = guide.mask(j, logits, drafted)
             token, dist = _pick(logits, drafted[:, :j], knobs, j, want_q=keep_q or cut)
@@ -242,7 +287,7 @@ class DraftProposer:
         hidden, residual = self.model(input_ids, cos, sin, self.kv.layers, meta, self.attention)
         rows = self._tensor(last_rows)
         residual = residual[rows] if residual is not None else None
-        return self.model.compute_logits(hidden[rows], residual)  # [r, V] float32
+        return self.model.compute_logits(hidden[rows], residual)  # [r, V or H] float32
 
     def _metadata(self, slots, prefills, decodes) -> AttentionMetadata:
         """decodes: (row, seq, context length) of single-token rows."""
@@ -272,6 +317,13 @@ class DraftProposer:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
         host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
         return host.to(self.device, non_blocking=True)
+
+
+def head_rows(vocab_size: int, size: int, always: Iterable[int] = ()) -> list[int]:
+    """The rows a head of `size` keeps (SpeculativeConfig.draft_vocab): ids 0 .. size - 1,
+    roughly a BPE or SentencePiece vocabulary's most frequent tokens, and the ids in `always`
+    (control tokens, end of sequence) wherever they are."""
+    return sorted(set(range(min(size, vocab_size))) | {i for i in always if 0 <= i < vocab_size})
 
 
 def _resync(seq: _DraftSeq, history: Sequence[int]) -> None:

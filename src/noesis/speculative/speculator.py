@@ -71,15 +71,22 @@ class Speculator:
         scheme = ChannelScheme.of(target.tokenizer)
         if config.method == "ngram":
             return cls(config, NgramProposer(config.ngram_max, config.ngram_min), scheme)
-        from noesis.speculative.draft import DraftProposer
+        from noesis.speculative.draft import DraftProposer, head_rows
 
         wanted = engine.max_num_seqs * -(-max_model_len // engine.page_size)
+        vocab = target.config.vocab_size
+        head_ids = None
+        if config.draft_vocab is not None and config.draft_vocab < vocab:
+            tokenizer = target.tokenizer
+            always = (*tokenizer.control_tokens().id_set, *tokenizer.eos_token_ids)
+            head_ids = head_rows(vocab, config.draft_vocab, always)
         proposer = DraftProposer.load(
             config.draft,
-            target.config.vocab_size,
+            vocab,
             str(target.device),
             str(target.dtype).removeprefix("torch."),
             kv_memory=int(kv_memory * DRAFT_KV_SHARE),
+            head_ids=head_ids,
             num_pages=wanted,
             page_size=engine.page_size,
             max_model_len=max_model_len,
