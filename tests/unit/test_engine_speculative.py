@@ -324,7 +324,8 @@ def test_cli_flags_build_the_config():
 
 def test_a_cut_head_proposes_its_own_rows_and_output_is_unchanged(checkpoints, plain):
     """draft_vocab: every proposal is a kept row (ids below HEAD_ROWS, or an end-of-sequence
-    id), greedy output equals plain decoding, and proposals the target's tokens outside the
+    id, picked from the head's own rows: plain greedy rows are never widened), greedy output
+    equals plain decoding, and proposals the target's tokens outside the
     head would need are rejected: the target as its own draft, whole, accepts every proposal;
     cut, it accepts fewer."""
     prompts, params = [BATCH[0], BATCH[3]], greedy(max_tokens=20)
@@ -343,7 +344,12 @@ def test_a_cut_head_proposes_its_own_rows_and_output_is_unchanged(checkpoints, p
             return proposals
 
         draft.propose = recording
+        widened = []
+        draft._widen = lambda logits, _widen=draft._widen, _log=widened: _log.append(1) or _widen(
+            logits)  # fmt: skip
         outs[vocab] = llm.generate(prompts, params)
+        # plain greedy rows take a cut head's own argmax: none is widened (a whole head's are)
+        assert bool(widened) == (vocab is None)
         assert [o.token_ids for o in outs[vocab]] == [o.token_ids for o in expected]
         if vocab is not None:
             kept = set(draft.head_ids.tolist())

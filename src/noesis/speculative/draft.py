@@ -201,10 +201,19 @@ class DraftProposer:
         drafted = torch.zeros((len(seqs), k), dtype=torch.int64, device=self.device)
         step_logits = self._graph_steps(seqs, histories, k)
         q, entropy, cut = [], [], self.entropy_cutoff != math.inf
+        # A cut head's plain greedy rows take the argmax of its own rows (the lowest id of
+        # equals, as over the widened row): no vocabulary-wide row to fill and scan.
+        narrow = (self.head_ids is not None and guide is None and not keep_q and not cut
+                  and (knobs is None or (knobs.all_greedy and knobs.penalties is None
+                                         and knobs.logit_bias is None)))  # fmt: skip
         for j in range(k):
-            logits = self._widen(step_logits(j, drafted) if step_logits is not None else (
-                self._feed_history(seqs, histories) if j == 0 else
-                self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths])))  # [r, V]
+            logits = (step_logits(j, drafted) if step_logits is not None else  # [r, V or H]
+                      self._feed_history(seqs, histories) if j == 0 else
+                      self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
+            if narrow:
+                drafted[:, j] = self.head_ids[row_argmax(logits)]
+                continue
+            logits = self._widen(logits)
             if guide is not None:
                 logits = guide.mask(j, logits, drafted)
             token, dist = _pick(logits, drafted[:, :j], knobs, j, want_q=keep_q or cut)
