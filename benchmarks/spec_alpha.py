@@ -39,9 +39,7 @@ Rows (batch 1 unless said; speedup = plain seconds / speculative seconds for the
   work, the step that cannot overlap the next one's planning) is the gap to the measured speedup.
 - `--draft-variants` (default `16`: the draft as built): one set of batch-1 rows per variant,
   `BITS[:VOCAB]`: `4` the draft quantized to int4 by `noesis quantize` (group 128), `8` int8;
-  `:VOCAB` its LM head cut to VOCAB rows (SpeculativeConfig.draft_vocab), a trailing `:single`
-  each drafting step its own graph launch (no greedy chain, `draft.CHAINS` off). E.g.
-  `16,4,4:32768,4:32768:single`.
+  `:VOCAB` its LM head cut to VOCAB rows (SpeculativeConfig.draft_vocab). E.g. `16,4,4:32768`.
   The oracle makes alpha independent of the draft's quality, so the rows differ in draft cost
   only. The large-batch and lookup rows run with the first variant.
 - batch `--large-batch` (64): plain and two oracle rows. Speculation should pause itself there
@@ -447,16 +445,13 @@ class Variant:
     tag: str
     path: str
     vocab: int | None
-    chains: bool = True
 
 
 def variants(args) -> list[Variant]:
     """Parse --draft-variants, quantizing the draft where a variant asks (once per bits)."""
     out = []
     for spec in args.draft_variants.split(","):
-        spec = spec.strip()
-        chains = not spec.endswith(":single")
-        bits, _, vocab = spec.removesuffix(":single").partition(":")
+        bits, _, vocab = spec.strip().partition(":")
         if bits not in ("16", "8", "4") or (vocab and not vocab.isdigit()):
             raise SystemExit(f"--draft-variants: {spec!r} is not BITS[:VOCAB] (BITS 16, 8 or 4)")
         path, tag = args.draft, "draft"
@@ -473,8 +468,7 @@ def variants(args) -> list[Variant]:
                       f"{time.perf_counter() - start:.0f} s", flush=True)
         if vocab:
             tag += f"/{int(vocab) // 1024}k" if int(vocab) >= 1024 else f"/{vocab}"
-        out.append(Variant(tag + ("" if chains else "-1"), path, int(vocab) if vocab else None,
-                           chains))
+        out.append(Variant(tag, path, int(vocab) if vocab else None))
     return out
 
 
@@ -483,9 +477,6 @@ def measure_spec(args, prompts, references, plain_s, step_s, variant: Variant,
     """The batch-1 oracle rows over `variant`'s draft; with `extras` also the large-batch and
     lookup rows."""
     from noesis import SpeculativeConfig
-    from noesis.speculative import draft as draft_module
-
-    draft_module.CHAINS = variant.chains
 
     base = SpeculativeConfig(
         method="draft",

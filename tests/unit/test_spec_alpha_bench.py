@@ -91,15 +91,12 @@ def test_lookup_replay_finds_the_copied_listing():
 
 
 def test_draft_variants_parse_bits_and_head_rows():
-    args = spec_alpha.parse(
-        ["--draft", "/some/draft", "--draft-variants", "16, 16:32768,16:300,16:single"]
-    )
+    args = spec_alpha.parse(["--draft", "/some/draft", "--draft-variants", "16, 16:32768,16:300"])
     got = spec_alpha.variants(args)
-    assert [(v.tag, v.path, v.vocab, v.chains) for v in got] == [
-        ("draft", "/some/draft", None, True),
-        ("draft/32k", "/some/draft", 32768, True),
-        ("draft/300", "/some/draft", 300, True),
-        ("draft-1", "/some/draft", None, False),
+    assert [(v.tag, v.path, v.vocab) for v in got] == [
+        ("draft", "/some/draft", None),
+        ("draft/32k", "/some/draft", 32768),
+        ("draft/300", "/some/draft", 300),
     ]
     for bad in ("3", "4:x", "16:"):
         args.draft_variants = bad

@@ -505,44 +505,6 @@ def test_draft_samples_with_the_request_knobs(draft_model):
     assert one.proposed[0].tolist() == out.proposed[1].tolist()
 
 
-@pytest.mark.parametrize("head", [None, 2048], ids=["whole-head", "cut-head"])
-def test_chained_greedy_steps_draft_what_single_steps_do(draft_model, monkeypatch, head):
-    """Plain greedy rows through the graph buffers (CPU: capture=False, run eagerly): steps
-    1 .. k - 1 as one chain give the tokens and entropies (the cut-off's input) that the
-    same steps one at a time give, over rounds of accepted prefixes, batched; a depth with no
-    chain (k past max_depth) falls back to single steps."""
-    from noesis.speculative import draft as draft_module
-
-    seen = []
-
-    def recording(entropy, depth, cutoff):
-        seen[-1].append(entropy.clone())
-        return draft_module.lengths_under_entropy.__wrapped__(entropy, depth, cutoff)
-
-    recording.__wrapped__ = draft_module.lengths_under_entropy
-    monkeypatch.setattr(draft_module, "lengths_under_entropy", recording)
-    runs = {}
-    for chained in (False, True):
-        proposer = draft_proposer(draft_model)
-        proposer.entropy_cutoff = 2.0
-        if head is not None:
-            proposer.restrict_head(range(head))
-        proposer.capture_graphs(16, capture=False, max_depth=4 if chained else 1, max_seqs=8)
-        histories = [[1, 577, 1339, 1155, 436, 299], [1, 350, 285]]
-        rng, outs = random.Random(0), []
-        seen.append([])
-        for depth in (4, 3, 4, 5):
-            out = proposer.propose(["a", "b"], histories, [depth, 2])
-            outs.append((out.proposed.tolist(), out.num_proposed.tolist()))
-            for history, guess in zip(histories, out.to_lists(), strict=True):
-                history += guess[: rng.randrange(len(guess) + 1)] + [rng.randrange(8192)]
-        runs[chained] = outs, proposer.chain_replays
-    assert runs[True][0] == runs[False][0]
-    assert runs[False][1] == 0 and runs[True][1] == 3  # depth 5 has no chain
-    for single, chain in zip(seen[0], seen[1], strict=True):
-        assert torch.allclose(single, chain, atol=1e-5)
-
-
 def test_draft_pages_run_out_and_come_back(draft_model):
     proposer = draft_proposer(draft_model, num_pages=3)  # pages of 4 slots
     out = proposer.propose(["a", "b"], [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8]], [4, 4])

@@ -78,8 +78,7 @@ class CudaGraphRunner:
         tables = flat[COLUMNS * rows :].reshape(rows, self.max_pages)
         return (*columns, tables)
 
-    def forward(self, batch: int) -> torch.Tensor:
-        """The forward a graph of `batch` rows captures, over the device buffers: logits."""
+    def _forward(self, batch: int) -> torch.Tensor:
         input_ids, positions, slots, lengths, _, _, tables = (f[:batch] for f in self.device_fields)
         meta = AttentionMetadata(self.page_size, slots, [], self.rows[:batch], tables,
                                  lengths, self.max_model_len, ctx_bound=True)
@@ -98,10 +97,10 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             for batch in reversed(self.buckets):  # largest first: later graphs reuse its pool
                 for _ in range(2):  # compile kernels, settle allocations
-                    self.forward(batch)
+                    self._forward(batch)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[batch] = self.forward(batch)
+                    self.logits[batch] = self._forward(batch)
                 pool = graph.pool()
                 self.graphs[batch] = graph
         torch.cuda.current_stream().wait_stream(stream)
@@ -126,7 +125,7 @@ class CudaGraphRunner:
         in row `sources[i]` of `previous_ids` (on the device); verify rows feed their proposals
         from `proposals` (a speculative.StepProposals)."""
         count = sum(item.num_tokens for item in plan.scheduled)
-        batch = self.bucket(count)
+        batch = self._bucket(count)
         host, fields = self.hosts[self.turn], self.host_fields[self.turn]
         self.turn ^= 1
         row = 0
@@ -158,15 +157,9 @@ class CudaGraphRunner:
             fields = self._fields(buf.numpy())
             for row, (token, pos, pages) in enumerate(rows):
                 self._fill_row(fields, row, token, pos, pages)
-            self._fill_padding(fields, len(rows), self.bucket(len(rows)))
+            self._fill_padding(fields, len(rows), self._bucket(len(rows)))
         # A fresh pinned buffer per call: the caching host allocator keeps it until the copy ran.
         return host.to(self.kv.device, non_blocking=self.pinned)
-
-    def padding(self) -> torch.Tensor:
-        """A device buffer [size] whose every row is a dummy decode into the scratch page."""
-        host = torch.zeros(self.size, dtype=torch.int64)
-        self._fill_padding(self._fields(host.numpy()), 0, self.max_batch)
-        return host.to(self.kv.device)
 
     def replay_staged(self, staged: torch.Tensor, step: int, count: int,
                       feed: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,17 +168,16 @@ class CudaGraphRunner:
         self.device_buf.copy_(staged[step])
         if feed is not None:
             self.device_fields[0][:count].copy_(feed)
-        return self._run(self.bucket(count))[:count].clone()
+        return self._run(self._bucket(count))[:count].clone()
 
     def _run(self, batch: int) -> torch.Tensor:
         self.replays += 1
         if batch in self.graphs:
             self.graphs[batch].replay()
             return self.logits[batch]
-        return self.forward(batch)  # not captured (CPU, tests): the same forward, eager
+        return self._forward(batch)  # not captured (CPU, tests): the same forward, eager
 
-    def bucket(self, count: int) -> int:
-        """The smallest graph batch that holds `count` rows."""
+    def _bucket(self, count: int) -> int:
         return next(b for b in self.buckets if b >= count)
 
     def _fill_row(self, fields, row: int, token: int, pos: int, pages: list[int]) -> None:

@@ -2,11 +2,7 @@
 tokens. It keeps its own paged KV cache (its own pool and page allocator), so a step feeds only
 the tokens the draft has not seen, then one decode per drafted token; no host sync while drafting.
 With `capture_graphs` (CUDA) those k steps replay the draft's own decode graphs (the feed's
-tokens as one row each), their inputs copied to the device in one transfer. Rows drafted by
-plain greedy (no grammar, penalties or bias, no distributions kept) run steps 1 .. k - 1 as one
-more graph, a chain per (batch bucket, steps): each step's forward, its argmax (and entropy)
-and the feed of its token to the next step on the device, so that the host launches one graph
-per proposal instead of a graph and a few kernels per drafted token.
+tokens as one row each), their inputs copied to the device in one transfer.
 
 A draft may keep only some rows of its LM head (`restrict_head`, SpeculativeConfig.draft_vocab):
 its logits over those tokens are widened back to the vocabulary with every other token at
@@ -16,7 +12,6 @@ OUTSIDE_HEAD, so that the sampler's processing and the distributions q stay the 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,8 +30,6 @@ from noesis.speculative.grammar import DraftGuide
 from noesis.speculative.proposer import Proposals, entropy_of, lengths_under_entropy
 from noesis.speculative.verify import adjusted, draft_race, row_argmax, scores
 from noesis.structured.matcher import GrammarMatcher
-
-CHAINS = True  # capture_graphs also captures the greedy chains (off: benchmarks' A/B only)
 
 # The logit of a token outside a restricted head: far below any real logit, so that its
 # probability is exactly 0 after a softmax beside them, yet finite through temperatures and
@@ -78,11 +71,6 @@ class DraftProposer:
         self._seqs: dict[object, _DraftSeq] = {}
         self.graphs: CudaGraphRunner | None = None
         self.head_ids: torch.Tensor | None = None  # the rows the LM head keeps (restrict_head)
-        # Chained greedy steps (capture_graphs): (bucket, steps) -> graph (None: run eagerly),
-        # their static inputs and outputs, and how many proposals took them.
-        self._chains: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
-        self._chain_staged = self._chain_tokens = self._chain_entropy = None
-        self.chain_replays = 0
 
     def restrict_head(self, token_ids: Sequence[int]) -> None:
         """Keep only these rows of the draft's LM head (before capture_graphs): each drafting
@@ -113,72 +101,14 @@ class DraftProposer:
         wide = logits.new_full((logits.shape[0], self.vocab_size), OUTSIDE_HEAD)
         return wide.index_copy_(1, self.head_ids, logits)
 
-    def capture_graphs(self, max_batch: int, capture: bool = True, max_depth: int = 1,
-                       max_seqs: int | None = None) -> float:
-        """Capture the draft's decode graphs of up to `max_batch` rows, and the greedy chains of
-        1 .. max_depth - 1 steps for up to `max_seqs` sequences (default max_batch); the
-        seconds it took. capture=False (CPU, tests): the same buffers, their forward and the
-        chains run eagerly."""
-        self.graphs = graphs = CudaGraphRunner(self.model, self.kv, self.rope, self.attention,
-                                               max_batch, self.max_model_len)  # fmt: skip
+    def capture_graphs(self, max_batch: int, capture: bool = True) -> float:
+        """Capture the draft's decode graphs of up to `max_batch` rows; the seconds it took.
+        capture=False (CPU, tests): the same buffers, their forward run eagerly."""
+        self.graphs = CudaGraphRunner(self.model, self.kv, self.rope, self.attention, max_batch,
+                                      self.max_model_len)
         if capture:
-            graphs.capture()
-        start = time.perf_counter()
-        if max_depth > 1 and CHAINS:
-            self._capture_chains(max_seqs or max_batch, max_depth, capture)
-        return graphs.capture_seconds + time.perf_counter() - start
-
-    @torch.inference_mode()
-    def _capture_chains(self, max_seqs: int, max_depth: int, capture: bool) -> None:
-        graphs = self.graphs
-        rows = graphs.max_batch
-        device = self.device
-        self._chain_staged = torch.zeros((max_depth - 1, graphs.size), dtype=torch.int64,
-                                         device=device)  # fmt: skip
-        self._chain_tokens = torch.zeros((rows, max_depth), dtype=torch.int64, device=device)
-        self._chain_entropy = torch.zeros((rows, max_depth), device=device)
-        self._chain_staged.copy_(graphs.padding().expand(max_depth - 1, -1))
-        buckets = [b for b in graphs.buckets if b <= max_seqs]
-        if not capture:
-            self._chains = {(b, n): None for b in buckets for n in range(1, max_depth)}
-            return
-        pool = None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bucket in reversed(buckets):
-                for steps in range(max_depth - 1, 0, -1):
-                    for _ in range(2):  # compile kernels, settle allocations
-                        self._chain(bucket, steps)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self._chain(bucket, steps)
-                    pool = graph.pool()
-                    self._chains[(bucket, steps)] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-
-    def _chain(self, bucket: int, steps: int) -> None:
-        """Drafting steps 1 .. steps over `bucket` graph rows: step j reads its rows from
-        _chain_staged[j - 1] and its tokens from _chain_tokens[:, j - 1], and writes its greedy
-        token (and, with an entropy cut-off, its distribution's entropy) to column j."""
-        graphs, tokens = self.graphs, self._chain_tokens
-        cut = self.entropy_cutoff != math.inf
-        for j in range(1, steps + 1):
-            graphs.device_buf.copy_(self._chain_staged[j - 1])
-            graphs.device_fields[0][:bucket].copy_(tokens[:bucket, j - 1])
-            token, entropy = self._greedy(graphs.forward(bucket), cut)
-            tokens[:bucket, j].copy_(token)
-            if entropy is not None:
-                self._chain_entropy[:bucket, j].copy_(entropy)
-
-    def _greedy(self, logits: torch.Tensor, cut: bool):
-        """Plain greedy over logits [r, V or H] (the head's own rows, the lowest id of equals as
-        over the widened row): tokens [r] and, when `cut`, the distribution's entropy [r]."""
-        token = row_argmax(logits)
-        if self.head_ids is not None:
-            token = self.head_ids[token]
-        return token, entropy_of(logits.softmax(dim=-1)) if cut else None
+            self.graphs.capture()
+        return self.graphs.capture_seconds
 
     @classmethod
     def load(cls, checkpoint: str, target_vocab_size: int, device="auto", dtype="auto",
@@ -268,28 +198,20 @@ class DraftProposer:
         them). Each step works on its own position only: the penalties at position j count
         drafted[:, :j]."""
         lengths = [len(h) for h in histories]
-        r = len(seqs)
-        drafted = torch.zeros((r, k), dtype=torch.int64, device=self.device)
-        step_logits, staged = self._graph_steps(seqs, histories, k)
+        drafted = torch.zeros((len(seqs), k), dtype=torch.int64, device=self.device)
+        step_logits = self._graph_steps(seqs, histories, k)
         q, entropy, cut = [], [], self.entropy_cutoff != math.inf
-        # Plain greedy rows: the argmax (of a cut head's own rows: no vocabulary-wide row to
-        # fill and scan), and steps 1 .. k - 1 as one chained graph where one was captured.
-        plain = (guide is None and not keep_q
-                 and (knobs is None or (knobs.all_greedy and knobs.penalties is None
-                                        and knobs.logit_bias is None)))  # fmt: skip
-        chain = (self.graphs.bucket(r), k - 1) if plain and staged is not None else None
-        if chain not in self._chains:
-            chain = None
+        # A cut head's plain greedy rows take the argmax of its own rows (the lowest id of
+        # equals, as over the widened row): no vocabulary-wide row to fill and scan.
+        narrow = (self.head_ids is not None and guide is None and not keep_q and not cut
+                  and (knobs is None or (knobs.all_greedy and knobs.penalties is None
+                                         and knobs.logit_bias is None)))  # fmt: skip
         for j in range(k):
-            if j == 1 and chain is not None:
-                return self._run_chain(chain, staged, drafted, entropy, seqs, histories)
             logits = (step_logits(j, drafted) if step_logits is not None else  # [r, V or H]
                       self._feed_history(seqs, histories) if j == 0 else
                       self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
-            if plain:
-                drafted[:, j], dist_entropy = self._greedy(logits, cut)
-                if cut:
-                    entropy.append(dist_entropy)
+            if narrow:
+                drafted[:, j] = self.head_ids[row_argmax(logits)]
                 continue
             logits = self._widen(logits)
             if guide is not None:
@@ -300,42 +222,19 @@ class DraftProposer:
                 q.append(dist)
             if cut:
                 entropy.append(entropy_of(dist))
-        return self._drafted(seqs, histories, drafted, torch.stack(q, dim=1) if keep_q else None,
-                             torch.stack(entropy, dim=1) if entropy else None)  # fmt: skip
-
-    @staticmethod
-    def _drafted(seqs, histories, drafted, q, entropy):
         for seq, history in zip(seqs, histories, strict=True):
             seq.num_cached, seq.drafted_from = len(history), len(history)
-        return drafted, q, entropy
-
-    def _run_chain(self, chain, staged, drafted, entropy, seqs, histories):
-        """Steps 1 .. k - 1 of plain greedy rows through the chain (bucket, k - 1), after step
-        0 (drafted[:, 0], and its entropy when cut) ran through the graphs."""
-        r, k = drafted.shape
-        self._chain_tokens[:r, 0].copy_(drafted[:, 0])
-        self._chain_staged[: k - 1].copy_(staged[1:])
-        graph = self._chains[chain]
-        if graph is not None:
-            graph.replay()
-        else:
-            self._chain(*chain)
-        self.chain_replays += 1
-        drafted[:, 1:] = self._chain_tokens[:r, 1:k]
-        stacked = None
-        if entropy:  # step 0's, then the chain's
-            stacked = torch.cat([entropy[0][:, None], self._chain_entropy[:r, 1:k]], dim=1)
-        return self._drafted(seqs, histories, drafted, None, stacked)
+        return (drafted, torch.stack(q, dim=1) if keep_q else None,
+                torch.stack(entropy, dim=1) if entropy else None)
 
     def _graph_steps(self, seqs, histories, k):
-        """step(j, drafted) -> logits [r, V] of drafting step j through the graphs, and the
-        staged steps; (None, None) when a step does not fit them (a new prompt's feed: then
-        every step runs eagerly)."""
+        """step(j, drafted) -> logits [r, V] of drafting step j through the graphs, or None
+        when a step does not fit them (a new prompt's feed: then every step runs eagerly)."""
         graphs = self.graphs
         feed = [(tok, pos, seq.pages) for seq, history in zip(seqs, histories, strict=True)
                 for pos, tok in enumerate(history[seq.num_cached :], start=seq.num_cached)]
         if graphs is None or max(len(feed), len(seqs)) > graphs.max_batch:
-            return None, None
+            return None
         last_rows, row = [], -1
         for seq, history in zip(seqs, histories, strict=True):
             row += len(history) - seq.num_cached
@@ -349,7 +248,7 @@ class DraftProposer:
                 return graphs.replay_staged(staged, 0, len(feed))[last]
             return graphs.replay_staged(staged, j, len(seqs), drafted[:, j - 1])
 
-        return step, staged
+        return step
 
     def _copy_to_host(self, drafted: torch.Tensor):
         """drafted's host copy, started without waiting, and the event that marks it done:

@@ -105,10 +105,7 @@ class Speculator:
         self.max_rows = max_rows
         if isinstance(self.proposer, NgramProposer):
             return 0.0
-        # Chains for as many proposing sequences as a verify step of max_rows can hold (each
-        # verifies at least two rows), of every depth up to k.
-        return self.proposer.capture_graphs(max_rows, capture, max_depth=self.config.k,
-                                            max_seqs=max(1, max_rows // 2))
+        return self.proposer.capture_graphs(max_rows, capture)
 
     def wants(self, seq: Seq) -> bool:
         """Whether `seq` would propose at its next step (so that step waits for this one's
