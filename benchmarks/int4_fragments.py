@@ -1,10 +1,10 @@
 """int4 GEMVs over tensor-core fragments (quant/int4_fragments.py, kernels/frag_gemv.py) against
 the stored layout's GEMV (quant/kernel.py `_packed_gemv`, its tuned configs) on the lent GPU:
-the 8B Llama shape's four projections (AWQ-style int4, groups of 128, bfloat16 by default), one
-row of x, `--layers` distinct random layers per projection so that the weights stream from
-memory, each variant replayed from one CUDA graph and checked against dequantize-then-matmul
-first. The roofline is the bytes read (codes, scales, zero points: the same in both layouts)
-over the copy bandwidth measured in the same run.
+the 8B (or `--shape llama-1b`) Llama shape's four projections (AWQ-style int4, groups of 128,
+bfloat16 by default), one row of x, `--layers` distinct random layers per projection so that
+the weights stream from memory, each variant replayed from one CUDA graph and checked against
+dequantize-then-matmul first. The roofline is the bytes read (codes, scales, zero points: the
+same in both layouts) over the copy bandwidth measured in the same run.
 
     python benchmarks/int4_fragments.py [--tiles] [--dtype float16] [--json out.json]
     python benchmarks/int4_fragments.py --tiles --save-configs src/noesis/quant/frag_configs.json
@@ -37,7 +37,13 @@ from noesis.quant.int4_fragments import Int4Fragments  # noqa: E402
 from noesis.quant.linear import dequantize, group_index  # noqa: E402
 from noesis.quant.packing import pack  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPE_SETS = {  # --shape: (out features, in features) of each projection
+    "llama-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                 "down": (4096, 14336)},
+    "llama-1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+                 "down": (2048, 8192)},
+}  # fmt: skip
+SHAPES = dict(SHAPE_SETS["llama-8b"])  # the run's, set by --shape
 GROUP = 128
 # (tiles a program, warps a tile, chunks a warp's iteration): down and o have 256 tiles only,
 # so their programs need more warps along K to fill the GPU than gate_up's 1,792
@@ -51,6 +57,8 @@ SWEEP = [(1, 4, 2), (1, 4, 4), (1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 16, 1), (1, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPE_SETS), default="llama-8b",
+                        help="the model shape whose projections are timed")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -60,6 +68,8 @@ def main() -> None:
     parser.add_argument("--save-configs", type=Path,
                         help="merge each shape's fastest fragment variant into this file")
     args = parser.parse_args()
+    SHAPES.clear()
+    SHAPES.update(SHAPE_SETS[args.shape])
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = {name: [_projection(gen, n, k, dtype) for _ in range(args.layers)]

@@ -2,6 +2,7 @@
 same kernels as the captured graph), batch 1 and batch 64.
 
     python benchmarks/profile_decode.py --shape llama-8b [--batch-invariant]
+    python benchmarks/profile_decode.py --model /tmp/noesis-bench/llama-1b-int4 --batches 1
 
 --batch-invariant profiles the same steps in the batch-invariant mode as well (issue 16: where
 its cost goes, kernel by kernel).
@@ -53,20 +54,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-8b")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/noesis-bench"))
+    parser.add_argument("--model", type=Path,
+                        help="profile this checkpoint instead of a random one of --shape")
+    parser.add_argument("--batches", default="1,64")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also profile the batch-invariant mode")
     args = parser.parse_args()
     from noesis import LLM
 
-    tie = args.shape == "llama-1b"
-    path = args.workdir / args.shape
+    path = args.model or args.workdir / args.shape
     if not (path / "config.json").exists():
+        tie = args.shape == "llama-1b"
         make_checkpoint(path, args.shape, "bfloat16", 8192, 0, tie, "cuda")
     for invariant in (False, True) if args.batch_invariant else (False,):
         print(f"\n=== {'batch-invariant' if invariant else 'default'} mode")
         llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=4096,
                   cuda_graphs=False, progress=False, batch_invariant=invariant)
-        for batch in (1, 64):
+        for batch in map(int, args.batches.split(",")):
             profile(llm, batch, 32)
         del llm
         torch.cuda.empty_cache()
