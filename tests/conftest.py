@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import SPECS, build_checkpoint, load_reference
 
-from noesis import LLM
+# Without a GPU the Triton kernels run under Triton's interpreter, which `triton.jit` chooses when
+# a kernel is defined: set before any test module imports a kernel module, so that no order of
+# test files can leave some kernels compiled-only (a kernel module imported by a file that does
+# not interpret, then called from an interpreted kernel, fails). test_kernels_compile's and
+# test_quant_compile's child processes drop it to compile for sm_90.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from checkpoints import SPECS, build_checkpoint, load_reference  # noqa: E402
+
+from noesis import LLM  # noqa: E402
 
 # The models here are tiny: intra-op threads only add synchronization, and on a loaded 2-core CI
 # machine spinning OpenMP workers made the suite several times slower.

@@ -5,15 +5,12 @@ CUDA graphs and is not run here."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 

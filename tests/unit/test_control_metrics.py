@@ -3,13 +3,9 @@ the sampled tokens unchanged by asking for them, and RequestOutput.token_metrics
 against the transformers model's own logits."""
 
 import math
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the Triton kernel's test runs in Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from noesis import SamplingParams  # noqa: E402
 from noesis.errors import InvalidSamplingParams

@@ -6,14 +6,11 @@ On the lent GPU the same comparisons run compiled (tests/gpu/test_cuda.py).
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import partial
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 

@@ -13,15 +13,10 @@ and values bit for bit.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from checkpoints import noesis_greedy  # noqa: E402
 
 from noesis import LLM  # noqa: E402

@@ -5,13 +5,8 @@ bf16 tl.dot is wrong); bf16 on the GEMV layout. Real shapes and graphs: tests/gp
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from noesis.kernels import moe, moe_triton  # noqa: E402
 from noesis.weights.mxfp4 import Mxfp4Fragments, Mxfp4Weight  # noqa: E402

@@ -7,15 +7,9 @@ shapes)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402  (after TRITON_INTERPRET)
+import triton
 import triton.language as tl  # noqa: E402
 
 from noesis.kernels import moe_triton  # noqa: E402
