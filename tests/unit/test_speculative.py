@@ -505,6 +505,48 @@ def test_draft_samples_with_the_request_knobs(draft_model):
     assert one.proposed[0].tolist() == out.proposed[1].tolist()
 
 
+@pytest.mark.parametrize("head", [None, 2048], ids=["whole-head", "cut-head"])
+def test_plain_greedy_drafting_equals_the_widened_path(draft_model, monkeypatch, head):
+    """Plain greedy rows (the argmax and the entropy cut-off's entropies from the head's own
+    rows) draft what the same rows drafted through the sampler's processing do (forced here by
+    neutral penalties: repetition 1, presence and frequency 0), with an entropy cut-off that
+    cuts some positions, over rounds of accepted prefixes, batched."""
+    from noesis.speculative import draft as draft_module
+
+    seen: list[list[torch.Tensor]] = []
+    cut_lengths = draft_module.lengths_under_entropy
+
+    def recording(entropy, depth, cutoff):
+        seen[-1].append(entropy.clone())
+        return cut_lengths(entropy, depth, cutoff)
+
+    monkeypatch.setattr(draft_module, "lengths_under_entropy", recording)
+    vocab = draft_model.config.vocab_size
+    neutral = Penalties(torch.ones(2), torch.zeros(2), torch.zeros(2),
+                        torch.zeros((2, vocab)), torch.zeros((2, vocab), dtype=torch.bool))
+    greedy = dataclasses.replace(knobs(2, temperature=0.0), all_greedy=True)
+    runs = []
+    for sampling in (None, dataclasses.replace(greedy, penalties=neutral)):
+        proposer = draft_proposer(draft_model)
+        proposer.entropy_cutoff = 4.0
+        if head is not None:
+            proposer.restrict_head(range(head))
+        histories = [[1, 577, 1339, 1155, 436, 299], [1, 350, 285]]
+        rng, outs = random.Random(0), []
+        seen.append([])
+        for depth in (4, 3, 5):
+            out = proposer.propose(["a", "b"], histories, [depth, 2], sampling)
+            outs.append((out.proposed.tolist(), out.num_proposed.tolist()))
+            for history, guess in zip(histories, out.to_lists(), strict=True):
+                history += guess[: rng.randrange(len(guess) + 1)] + [rng.randrange(8192)]
+        runs.append(outs)
+    assert runs[0] == runs[1]
+    lengths = [n for _, counts in runs[0] for n in counts]
+    assert any(0 < n < d for n, d in zip(lengths, [4, 2, 3, 2, 5, 2], strict=True))  # some cut
+    for plain, widened in zip(seen[0], seen[1], strict=True):
+        assert torch.allclose(plain, widened, atol=1e-5)
+
+
 def test_draft_pages_run_out_and_come_back(draft_model):
     proposer = draft_proposer(draft_model, num_pages=3)  # pages of 4 slots
     out = proposer.propose(["a", "b"], [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8]], [4, 4])

@@ -93,6 +93,12 @@ class DraftProposer:
         model.lm_head = head
         self.head_ids = index.to(self.device)
 
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The argmax token of logits [r, V or H]: of a cut head's rows, the lowest id of
+        equals as over the widened row (head_ids are sorted)."""
+        token = row_argmax(logits)
+        return token if self.head_ids is None else self.head_ids[token]
+
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the kept head rows [r, H] -> over the vocabulary [r, V] (the rest at
         OUTSIDE_HEAD); unchanged when the head is whole."""
@@ -201,17 +207,19 @@ class DraftProposer:
         drafted = torch.zeros((len(seqs), k), dtype=torch.int64, device=self.device)
         step_logits = self._graph_steps(seqs, histories, k)
         q, entropy, cut = [], [], self.entropy_cutoff != math.inf
-        # A cut head's plain greedy rows take the argmax of its own rows (the lowest id of
-        # equals, as over the widened row): no vocabulary-wide row to fill and scan.
-        narrow = (self.head_ids is not None and guide is None and not keep_q and not cut
-                  and (knobs is None or (knobs.all_greedy and knobs.penalties is None
-                                         and knobs.logit_bias is None)))  # fmt: skip
+        # Plain greedy rows (no grammar, penalties or bias, no distributions kept) read the
+        # head's own rows: no vocabulary-wide row to fill and scan for a cut head.
+        plain = (guide is None and not keep_q
+                 and (knobs is None or (knobs.all_greedy and knobs.penalties is None
+                                        and knobs.logit_bias is None)))  # fmt: skip
         for j in range(k):
             logits = (step_logits(j, drafted) if step_logits is not None else  # [r, V or H]
                       self._feed_history(seqs, histories) if j == 0 else
                       self._decode(seqs, drafted[:, j - 1], [n + j - 1 for n in lengths]))
-            if narrow:
-                drafted[:, j] = self.head_ids[row_argmax(logits)]
+            if plain:
+                drafted[:, j] = self._greedy(logits)
+                if cut:  # a softmax over the kept rows is the widened row's (0 elsewhere)
+                    entropy.append(entropy_of(logits.softmax(dim=-1)))
                 continue
             logits = self._widen(logits)
             if guide is not None:
