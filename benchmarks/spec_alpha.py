@@ -38,7 +38,8 @@ Rows (batch 1 unless said; speedup = plain seconds / speculative seconds for the
   decode phase. What the prediction leaves out (the verify's sampling, the proposal's host
   work, the step that cannot overlap the next one's planning) is the gap to the measured speedup.
 - `--draft-variants` (default `16`: the draft as built): one set of batch-1 rows per variant,
-  `BITS[:VOCAB]`: `4` the draft quantized to int4 by `noesis quantize` (group 128), `8` int8;
+  `BITS[:VOCAB]`: `4` the draft quantized to int4 by `noesis quantize` (group 128; written to
+  <tempdir>/noesis-bench/<draft name>-int4, and reused from there when present), `8` int8;
   `:VOCAB` its LM head cut to VOCAB rows (SpeculativeConfig.draft_vocab). E.g. `16,4,4:32768`.
   The oracle makes alpha independent of the draft's quality, so the rows differ in draft cost
   only. The large-batch and lookup rows run with the first variant.
@@ -448,7 +449,8 @@ class Variant:
 
 
 def variants(args) -> list[Variant]:
-    """Parse --draft-variants, quantizing the draft where a variant asks (once per bits)."""
+    """Parse --draft-variants, quantizing the draft where a variant asks (unless that
+    quantized checkpoint exists already)."""
     out = []
     for spec in args.draft_variants.split(","):
         bits, _, vocab = spec.strip().partition(":")
