@@ -33,8 +33,10 @@ espeak-ng:
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 
+# The unit tier in one pytest-xdist worker per core (each test runs one torch thread), at most
+# four; the e2e tier's servers run one after another.
 test: lint
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit -q -n auto --maxprocesses 4
 	$(PY) -m pytest tests/e2e -q
 
 test-all: setup

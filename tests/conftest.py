@@ -75,6 +75,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     one core (one torch thread), the CI machine has two."""
     if session.config.option.collectonly:
         return
+    if hasattr(session.config, "workerinput"):
+        # a pytest-xdist worker: every worker collects every test, so starting here would run
+        # each child once per worker; the module's fixture starts it in the worker that runs it
+        return
     for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
         start = getattr(module, "start_in_background", None)
         if start is not None:

@@ -366,7 +366,7 @@ def start_in_background() -> subprocess.Popen | None:
 def reports() -> dict[str, dict]:
     if not PTXAS.exists():
         pytest.skip("this triton wheel has no ptxas")
-    process = start_in_background()  # already running, unless this module was not collected
+    process = start_in_background()  # already running, unless not collected or under xdist
     try:
         stdout, stderr = process.communicate(timeout=600)
     finally:
